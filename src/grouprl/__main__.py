@@ -1,0 +1,3 @@
+from grouprl.cli import main
+
+raise SystemExit(main())

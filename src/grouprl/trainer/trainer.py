@@ -1,0 +1,436 @@
+"""The training loop, top to bottom:
+
+sample B prompts -> replicate n_agent times (group = prompt) -> generate -> reward ->
+advantages -> ppo_epochs x mini-batches x micro-batches -> AdamW step -> log -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from grouprl.algorithms import compute_advantages, kl_estimate
+from grouprl.config import Config, to_dict
+from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
+from grouprl.errors import DataError, UserError
+from grouprl.rewards import CompositeReward
+from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from grouprl.trainer.export import export_model
+from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
+from grouprl.trainer.models import (
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from grouprl.trainer.optim import build_optimizer, build_scheduler
+from grouprl.trainer.update import PolicyUpdater, build_step_tensors
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
+    """Training and held-out samples, from files or the built-in task."""
+    d = cfg.data
+    if d.train_files:
+        train = load_samples(d.train_files)
+        val = load_samples(d.val_files) if d.val_files else []
+    else:
+        train = make_task(d.task, d.task_train_size, d.task_seed, "train", few_shot=d.few_shot)
+        val = make_task(d.task, d.task_val_size, d.task_seed, "val", few_shot=d.few_shot) if d.task_val_size else []
+    if d.val_max_samples:
+        val = val[: d.val_max_samples]
+    if d.system_prompt is not None:
+        for s in train + val:
+            if s.messages and s.messages[0].get("role") == "system":
+                s.messages[0] = {"role": "system", "content": d.system_prompt}
+            else:
+                s.messages.insert(0, {"role": "system", "content": d.system_prompt})
+    return train, val
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # Linux reports KiB
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        seed_everything(cfg.trainer.seed)
+        self.run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
+        # Everything the user can get wrong in data or rewards fails here, before the model loads.
+        self.train_samples, self.val_samples = load_data(cfg)
+        self.reward = CompositeReward.from_config(cfg.reward)
+
+        self.device = resolve_device(cfg.trainer.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        model_path = resolve_model_path(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, model_path)
+        self.model = load_causal_lm(cfg.model, model_path, self.device, self.dtype)
+        self.is_lora = cfg.model.lora.rank > 0
+
+        self.train_prompts, self.prompt_stats = self._encode(self.train_samples, "training")
+        self.val_prompts, _ = self._encode(self.val_samples, "held-out")
+        self.sampler = PromptSampler(
+            len(self.train_samples), cfg.data.train_batch_size, cfg.data.sampler, cfg.trainer.seed
+        )
+        self.total_steps = cfg.trainer.total_steps or self.sampler.steps_for_epochs(cfg.trainer.total_epochs)
+
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        mini_batches = cfg.data.train_batch_size // (cfg.actor.mini_batch_size or cfg.data.train_batch_size)
+        self.optimizer = build_optimizer(self.params, cfg.actor.optim)
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.actor.optim, self.total_steps * mini_batches * cfg.actor.ppo_epochs
+        )
+        self.ref_model = self._make_reference()
+        self.engine = HFEngine(
+            self.model,
+            self.tokenizer,
+            share_prompt_prefill=cfg.rollout.share_prompt_prefill,
+            max_batch=cfg.rollout.gen_batch_size,
+        )
+        self.updater = PolicyUpdater(
+            cfg.actor,
+            temperature=cfg.rollout.temperature,
+            pad_token_id=self.engine.pad_token_id,
+            skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
+        )
+        self.generator = torch.Generator(device="cpu").manual_seed(cfg.trainer.seed)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
+        self.step = 0
+        self.history: list[dict] = []  # evaluation results by step
+        self.best_metric = -math.inf
+        self.counters = {"skipped_steps": 0, "reward_errors": 0}
+        self._resume()
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _encode(self, samples: list[Sample], what: str):
+        d = self.cfg.data
+        prompts: list[list[int] | None] = []
+        skipped = truncated = 0
+        for s in samples:
+            ids = encode_prompt(self.tokenizer, s.messages)
+            fitted = fit_prompt(ids, d.max_prompt_length, d.prompt_overflow)
+            if fitted is None:
+                skipped += 1
+            elif len(fitted) < len(ids):
+                truncated += 1
+            prompts.append(fitted)
+        if samples and skipped == len(samples):
+            raise DataError(
+                f"every {what} prompt is longer than data.max_prompt_length={d.max_prompt_length} tokens; "
+                "raise it or set data.prompt_overflow=truncate"
+            )
+        if skipped or truncated:
+            log.warning("%s prompts over %d tokens: %d skipped, %d truncated", what, d.max_prompt_length, skipped, truncated)
+        return prompts, {"data/prompts_skipped": skipped, "data/prompts_truncated": truncated}
+
+    def _make_reference(self):
+        """A frozen reference only when a KL coefficient needs it. With LoRA the reference is
+        the base model with adapters disabled, not a second copy."""
+        c = self.cfg
+        if c.algorithm.kl_coef <= 0 and c.actor.kl_loss_coef <= 0:
+            return None
+        if self.is_lora:
+            if c.algorithm.ref_refresh_steps:
+                raise UserError("algorithm.ref_refresh_steps needs full fine-tuning (model.lora.rank=0)")
+            return "adapters-disabled"
+        ref = copy.deepcopy(self.model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def _ref_log_probs(self, tensors):
+        if self.ref_model == "adapters-disabled":
+            with self.model.disable_adapter():
+                return self.updater.score_all(self.model, tensors)
+        return self.updater.score_all(self.ref_model, tensors)
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "rng": rng_state(),
+            "generator": self.generator.get_state(),
+            "history": self.history,
+            "best_metric": self.best_metric,
+            "counters": self.counters,
+            "total_steps": self.total_steps,
+        }
+
+    def _resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        path = Path(t.resume_from_path) if t.resume_mode == "path" else self.checkpoints.latest()
+        if path is None:
+            return
+        ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
+        state = CheckpointManager.load(path, self.model, self.optimizer, self.scheduler, ref_model=ref)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.generator.set_state(state["generator"])
+        self.history = state["history"]
+        self.best_metric = state["best_metric"]
+        self.counters = state["counters"]
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
+        ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
+        state = trainer_state or self._trainer_state()
+        return self.checkpoints.save(state["step"], self.model, self.optimizer, self.scheduler, state, ref_model=ref)
+
+    # ------------------------------------------------------------------ rollout
+    def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_response_length,
+            temperature=r.val_temperature if evaluation else r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            stop=list(r.stop),
+        )
+
+    def rollout(self, samples: list[Sample], prompts: list[list[int]], n: int, evaluation=False) -> list[Trajectory]:
+        generations = self.engine.generate(prompts, n, self.sampling_params(evaluation), self.generator)
+        trajectories = []
+        for k, gen in enumerate(generations):
+            i, j = divmod(k, n)
+            trajectories.append(
+                Trajectory(
+                    sample=samples[i],
+                    index=j,
+                    prompt_ids=prompts[i],
+                    response_ids=gen.token_ids,
+                    loss_mask=[1] * len(gen.token_ids),
+                    response_text=gen.text,
+                    finish_reason=gen.finish_reason,
+                )
+            )
+        return trajectories
+
+    def _next_prompts(self) -> tuple[list[Sample], list[list[int]]]:
+        samples, prompts = [], []
+        while len(samples) < self.cfg.data.train_batch_size:  # skipped (over-long) prompts are redrawn
+            for i in self.sampler.next_batch():
+                if self.train_prompts[i] is not None and len(samples) < self.cfg.data.train_batch_size:
+                    samples.append(self.train_samples[i])
+                    prompts.append(self.train_prompts[i])
+        return samples, prompts
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
+        c = self.cfg
+        n = c.rollout.n_agent
+        t0 = time.perf_counter()
+        # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
+        self._pre_step_state, self._updating = self._trainer_state(), False
+        samples, prompts = self._next_prompts()
+        trajectories = self.rollout(samples, prompts, n)
+        t_gen = time.perf_counter()
+
+        metrics = self.reward.score(trajectories)
+        t_reward = time.perf_counter()
+
+        tensors = build_step_tensors(
+            trajectories, self.device, mask_truncated=c.rollout.mask_truncated, pad_token_id=self.engine.pad_token_id
+        )
+        need_ref = self.ref_model is not None
+        if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0:
+            tensors.old_log_probs = self.updater.score_all(self.model, tensors)
+        if need_ref:
+            tensors.ref_log_probs = self._ref_log_probs(tensors)
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        if c.algorithm.kl_coef > 0:  # KL as a reward penalty: r - beta * sum_t KL_t
+            kl = kl_estimate(tensors.old_log_probs, tensors.ref_log_probs, c.algorithm.kl_penalty)
+            kl_seq = (kl * tensors.loss_mask).sum(-1).cpu()
+            rewards = rewards - c.algorithm.kl_coef * kl_seq
+            metrics["reward/kl_penalty"] = float(kl_seq.mean())
+        group_ids = [k // n for k in range(len(trajectories))]  # a group = one drawn prompt
+        advantages = compute_advantages(
+            c.algorithm.adv_estimator,
+            rewards,
+            group_ids,
+            norm_by_std=c.algorithm.norm_adv_by_std,
+            epsilon=c.algorithm.adv_epsilon,
+        )
+        for t, a in zip(trajectories, advantages.tolist()):
+            t.advantage = a
+        tensors.advantages = advantages.to(self.device)
+        t_prep = time.perf_counter()
+
+        self._updating = True
+        metrics.update(self.updater.update(self.model, self.optimizer, self.scheduler, tensors, len(samples), self.params))
+        t_update = time.perf_counter()
+        self.step += 1
+        self._updating = False
+        if c.algorithm.ref_refresh_steps and self.step % c.algorithm.ref_refresh_steps == 0 and self.ref_model is not None:
+            self.ref_model.load_state_dict(self.model.state_dict())
+
+        grouped = rewards.view(-1, n)
+        lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
+        gen_tokens = float(lengths.sum())
+        all_tokens = gen_tokens + sum(len(p) for p in prompts) * n
+        self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
+        metrics.update(
+            {
+                "adv/mean": float(advantages.mean()),
+                "adv/std": float(advantages.std()) if len(advantages) > 1 else 0.0,
+                "adv/max": float(advantages.max()),
+                "adv/min": float(advantages.min()),
+                "batch/zero_std_groups": float((grouped.std(-1, unbiased=False) == 0).float().mean()),
+                "response/length_mean": float(lengths.mean()),
+                "response/length_max": float(lengths.max()),
+                "response/truncated_frac": float(np.mean([t.truncated for t in trajectories])),
+                "time/generate": t_gen - t0,
+                "time/reward": t_reward - t_gen,
+                "time/old_ref_log_probs": t_prep - t_reward,
+                "time/update": t_update - t_prep,
+                "time/step": t_update - t0,
+                "perf/gen_tokens_per_s": gen_tokens / max(t_gen - t0, 1e-9),
+                "perf/tokens_per_s": all_tokens / max(t_update - t0, 1e-9),
+                "perf/peak_rss_gb": peak_rss_gb(),
+                "train/epoch": float(self.sampler.epoch),
+                **self.prompt_stats,
+            }
+        )
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        return metrics, trajectories
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        keep = [(s, p) for s, p in zip(self.val_samples, self.val_prompts) if p is not None]
+        if not keep:
+            return {}
+        t0 = time.perf_counter()
+        batch = self.cfg.rollout.gen_batch_size or 64
+        trajectories: list[Trajectory] = []
+        for start in range(0, len(keep), batch):
+            chunk = keep[start : start + batch]
+            trajectories += self.rollout([s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True)
+        self.reward.score(trajectories)
+        metric = self.cfg.reward.val_metric
+        values = [t.reward if metric == "reward" else t.rewards[metric] for t in trajectories]
+        out = {
+            "val/accuracy": float(np.mean(values)),
+            "val/reward": float(np.mean([t.reward for t in trajectories])),
+            "val/response_length": float(np.mean([len(t.response_ids) for t in trajectories])),
+            "time/eval": time.perf_counter() - t0,
+        }
+        for name in trajectories[0].rewards:
+            out[f"val/{name}"] = float(np.mean([t.rewards[name] for t in trajectories]))
+        self.history.append({"step": self.step, **out})
+        return out
+
+    def _maybe_save_best(self, val: dict[str, float]) -> None:
+        if not self.cfg.trainer.save_best or "val/accuracy" not in val:
+            return
+        if val["val/accuracy"] > self.best_metric:
+            self.best_metric = val["val/accuracy"]
+            export_model(self.model, self.tokenizer, self.run_dir / "best", merge_lora=False,
+                         meta={"step": self.step, **val})
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        c = self.cfg.trainer
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        loggers = make_loggers(
+            c.loggers, self.run_dir, total_steps=self.total_steps, start_step=self.step,
+            project=c.project_name, experiment=c.experiment_name, config=to_dict(self.cfg),
+        )
+        console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
+        say = console.print if console else print
+        rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", c.experiment_name) if c.log_rollouts else None
+        prompt_text = {}
+        started = time.perf_counter()
+        try:
+            if c.val_before_train and self.step == 0 and self.val_samples:
+                val = self.evaluate()
+                say(f"baseline eval: {_fmt(val)}")
+                for lg in loggers:
+                    lg.log(val, self.step)
+                self._maybe_save_best(val)
+            while self.step < self.total_steps:
+                if c.max_time_minutes and time.perf_counter() - started > c.max_time_minutes * 60:
+                    say(f"time limit of {c.max_time_minutes} min reached at step {self.step}")
+                    break
+                metrics, trajectories = self.train_step()
+                if rollouts:
+                    for t in trajectories:
+                        prompt_text.setdefault(t.uid, t.sample.messages[-1].get("content", ""))
+                    rollouts.write(self.step, trajectories, prompt_text)
+                if c.test_freq and self.step % c.test_freq == 0 and self.step < self.total_steps and self.val_samples:
+                    val = self.evaluate()
+                    metrics.update(val)
+                    self._maybe_save_best(val)
+                for lg in loggers:
+                    lg.log(metrics, self.step)
+                if c.save_freq and self.step % c.save_freq == 0:
+                    self.save_checkpoint()
+            if self.val_samples and (not self.history or self.history[-1]["step"] != self.step):
+                val = self.evaluate()
+                for lg in loggers:
+                    lg.log(val, self.step)
+                self._maybe_save_best(val)
+            self.save_checkpoint()
+            if c.save_final:
+                export_model(self.model, self.tokenizer, self.run_dir / "final", merge_lora=True,
+                             meta={"step": self.step})
+        except KeyboardInterrupt:
+            # Interrupted while generating or scoring, the weights are those of the last finished
+            # step: save them with the state from before this step, so nothing finished is lost
+            # and a resumed run redraws the same batch. Mid-update, the weights are in between.
+            pre = getattr(self, "_pre_step_state", None)
+            if pre is not None and not self._updating and pre["step"] > 0:
+                path = self.save_checkpoint(pre)
+                say(f"interrupted: saved {path}; run the same command to resume")
+            else:
+                say("interrupted during an update: resume from the last saved checkpoint")
+            raise
+        finally:
+            for lg in loggers:
+                lg.close()
+            if rollouts:
+                rollouts.close()
+        summary = self.summary()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        say(summary["line"])
+        return summary
+
+    def summary(self) -> dict:
+        first = self.history[0] if self.history else {}
+        last = self.history[-1] if self.history else {}
+        base, final = first.get("val/accuracy"), last.get("val/accuracy")
+        if base is not None and final is not None:
+            line = f"eval accuracy: baseline {base:.2f} -> final {final:.2f} ({final - base:+.2f}) after {self.step} steps"
+        else:
+            line = f"trained {self.step} steps (no held-out split to evaluate)"
+        return {"line": line, "steps": self.step, "baseline": base, "final": final, "history": self.history,
+                "counters": self.counters, "run_dir": str(self.run_dir)}
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k.split('/', 1)[-1]}={v:.3f}" for k, v in metrics.items() if not k.startswith("time/"))

@@ -1,0 +1,190 @@
+"""The policy update: ppo_epochs x mini-batches x micro-batches, one optimizer step per
+mini-batch.
+
+Micro-batch losses are weighted so that their sum equals the loss of the whole mini-batch
+under the chosen aggregation mode (token-mean over all the mini-batch's tokens, not a mean
+of micro-batch means), so gradient accumulation does not change the objective.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
+from grouprl.config import ActorConfig
+from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.logprobs import ResponseBatch, response_log_probs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTensors:
+    """A step's trajectories as padded tensors; rows stay in trajectory order (groups contiguous)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor  # [N, R]
+    response_mask: torch.Tensor  # [N, R] real tokens
+    loss_mask: torch.Tensor  # [N, R] policy tokens that enter the loss
+    advantages: torch.Tensor  # [N]
+    old_log_probs: torch.Tensor | None = None  # [N, R]
+    ref_log_probs: torch.Tensor | None = None  # [N, R]
+
+    def rows(self, index: list[int]) -> ResponseBatch:
+        idx = torch.tensor(index, device=self.response_ids.device)
+        return ResponseBatch(
+            [self.prompt_ids[i] for i in index], self.response_ids[idx], self.response_mask[idx]
+        )
+
+
+def build_step_tensors(trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int) -> StepTensors:
+    n = len(trajectories)
+    width = max(1, max(len(t.response_ids) for t in trajectories))
+    response_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        r = len(t.response_ids)
+        if r == 0:
+            continue
+        response_ids[i, :r] = torch.tensor(t.response_ids)
+        response_mask[i, :r] = 1
+        if not (mask_truncated and t.truncated):
+            loss_mask[i, :r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return StepTensors(
+        prompt_ids=[t.prompt_ids for t in trajectories],
+        response_ids=response_ids.to(device),
+        response_mask=response_mask.to(device),
+        loss_mask=loss_mask.to(device),
+        advantages=torch.tensor([t.advantage for t in trajectories], dtype=torch.float32, device=device),
+    )
+
+
+def micro_batch_weight(mode: str, micro_mask: torch.Tensor, mini_mask: torch.Tensor) -> float:
+    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss."""
+    if mode == "token-mean":
+        return float(micro_mask.sum()) / max(float(mini_mask.sum()), 1.0)
+    if mode == "seq-mean-token-sum-norm":  # a sum over tokens / T: shares add up (same padded T)
+        return 1.0
+    rows = lambda m: float((m.sum(-1) > 0).sum())  # noqa: E731 - seq means count non-empty rows
+    return rows(micro_mask) / max(rows(mini_mask), 1.0)
+
+
+def split(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+class PolicyUpdater:
+    """Owns nothing but the arithmetic of one update; the trainer owns model and optimizer."""
+
+    def __init__(self, cfg: ActorConfig, *, temperature: float, pad_token_id: int, skip_nonfinite: bool = True):
+        self.cfg = cfg
+        self.skip_nonfinite = skip_nonfinite
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.pad_token_id = pad_token_id
+
+    def log_probs(self, model, tensors: StepTensors, index: list[int], *, with_entropy=False):
+        return response_log_probs(
+            model,
+            tensors.rows(index),
+            shared_prefix=self.cfg.shared_prefix,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            chunk_size=self.cfg.logits_chunk_size,
+            pad_token_id=self.pad_token_id,
+        )
+
+    @torch.no_grad()
+    def score_all(self, model, tensors: StepTensors) -> torch.Tensor:
+        """Log-probs of every row without gradient (old or reference policy), [N, R]."""
+        out = torch.zeros_like(tensors.loss_mask)
+        for index in split(list(range(len(tensors.prompt_ids))), self.cfg.micro_batch_size):
+            lp, _ = self.log_probs(model, tensors, index)
+            out[index] = lp
+        return out
+
+    def needs_old_log_probs(self, num_prompts: int) -> bool:
+        mini = self.cfg.mini_batch_size or num_prompts
+        return self.cfg.ppo_epochs > 1 or num_prompts // mini > 1
+
+    def update(self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params) -> dict[str, float]:
+        cfg = self.cfg
+        n_rows = len(tensors.prompt_ids)
+        rows_per_mini = (cfg.mini_batch_size or num_prompts) * (n_rows // max(num_prompts, 1))
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        model.train()
+        for _epoch in range(cfg.ppo_epochs):
+            # groups stay whole inside a mini-batch: rows are in group order and the size is a
+            # multiple of n_agent
+            for mini in split(list(range(n_rows)), rows_per_mini):
+                mini_mask = tensors.loss_mask[mini]
+                optimizer.zero_grad(set_to_none=True)
+                micro_metrics: dict[str, float] = defaultdict(float)
+                for micro in split(mini, cfg.micro_batch_size):
+                    weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
+                    loss, m = self._micro_loss(model, tensors, micro)
+                    if weight > 0:
+                        (loss * weight).backward()
+                    for k, v in m.items():
+                        micro_metrics[k] += v * weight
+                grad_norm = self._clip(params)
+                finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                if finite or not self.skip_nonfinite:
+                    optimizer.step()
+                    scheduler.step()
+                else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
+                    log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
+                    optimizer.zero_grad(set_to_none=True)
+                    sums["actor/skipped_steps"] += 1
+                for k, v in micro_metrics.items():
+                    sums[k] += v
+                    counts[k] += 1
+                sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+                counts["actor/grad_norm"] += 1
+        out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
+        out.setdefault("actor/skipped_steps", 0.0)
+        out["actor/lr"] = scheduler.get_last_lr()[0]
+        return out
+
+    def _clip(self, params) -> float:
+        clip = self.cfg.optim.grad_clip
+        if clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, clip))
+        grads = [p.grad.norm() for p in params if p.grad is not None]
+        return float(torch.stack(grads).norm()) if grads else 0.0
+
+    def _micro_loss(self, model, tensors: StepTensors, micro: list[int]):
+        cfg = self.cfg
+        want_entropy = cfg.entropy_coef != 0
+        log_probs, entropy = self.log_probs(model, tensors, micro, with_entropy=True if want_entropy else False)
+        loss_mask = tensors.loss_mask[micro]
+        old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()
+        pg_loss, m = policy_loss(
+            cfg.policy_loss,
+            log_probs,
+            old,
+            tensors.advantages[micro],
+            loss_mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip=cfg.dual_clip,
+            agg_mode=cfg.loss_agg_mode,
+        )
+        metrics = {"actor/pg_loss": float(pg_loss), **{f"actor/{k}": v for k, v in m.items()}}
+        loss = pg_loss
+        if want_entropy:
+            ent = aggregate_loss(entropy, loss_mask, cfg.loss_agg_mode)
+            loss = loss - cfg.entropy_coef * ent
+            metrics["actor/entropy"] = float(ent)
+        if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
+            kl = aggregate_loss(kl_estimate(log_probs, tensors.ref_log_probs[micro], cfg.kl_loss_type), loss_mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = float(kl)
+        metrics["actor/loss"] = float(loss)
+        return loss, metrics
