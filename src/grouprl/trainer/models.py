@@ -94,9 +94,10 @@ def resolve_model_path(cfg: ModelConfig) -> str:
         path, gguf_file = _builtin_location(name)
         cache_name = name
     elif gguf_file:
+        path = os.path.expanduser(path)
         cache_name = Path(gguf_file).stem + "-" + hashlib.sha1(f"{path}/{gguf_file}".encode()).hexdigest()[:8]
     else:
-        return path
+        return os.path.expanduser(path)  # from_pretrained does not expand "~"
     if not (Path(path) / gguf_file).is_file():
         raise ModelLoadError(f"GGUF file not found: {Path(path) / gguf_file}")
     target = Path(os.path.expanduser(cfg.cache_dir)) / "models" / cache_name
@@ -108,11 +109,13 @@ def resolve_model_path(cfg: ModelConfig) -> str:
 def load_tokenizer(cfg: ModelConfig, model_path: str):
     from transformers import AutoTokenizer
 
-    source = cfg.tokenizer_path or model_path
+    source = os.path.expanduser(cfg.tokenizer_path) if cfg.tokenizer_path else model_path
+    # name the setting the user wrote: without tokenizer_path the tokenizer comes from model.path
+    what = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(_explain_load_failure("tokenizer", source, e)) from None
+        raise ModelLoadError(_explain_load_failure(what, source, e)) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -121,10 +124,10 @@ def load_tokenizer(cfg: ModelConfig, model_path: str):
 def _explain_load_failure(what: str, source: str, e: Exception) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if not Path(source).exists() and ("/" not in source or source.startswith((".", "/", "~"))):
-        return f"{what} path '{source}' does not exist (not a local folder, and not a hub id)"
+        return f"{what} '{source}' does not exist (not a local folder, and not a hub id)"
     if not Path(source).exists():
         return f"could not load {what} '{source}': not a local folder and the hub did not provide it ({first})"
-    return f"could not load {what} from '{source}': {first}"
+    return f"could not load {what} '{source}': {first}"
 
 
 def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype):
@@ -153,7 +156,7 @@ def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtyp
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(_explain_load_failure("model", model_path, e)) from None
+        raise ModelLoadError(_explain_load_failure("model.path", model_path, e)) from None
     if cfg.quantization == "none":
         model.to(device)
     if cfg.gradient_checkpointing:

@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import math
+import os
 import random
 import resource
 import time
@@ -68,6 +69,25 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     return train, val
 
 
+def drop_lines_after(path: Path, step: int) -> None:
+    """Keep only the jsonl records of steps <= `step` (atomic rewrite; a torn last line goes too)."""
+    if not path.is_file():
+        return
+    kept, changed = [], False
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line).get("step", 0) <= step
+        except json.JSONDecodeError:
+            keep = False
+        changed |= not keep
+        if keep:
+            kept.append(line)
+    if changed:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+
+
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # Linux reports KiB
 
@@ -120,6 +140,9 @@ class Trainer:
         self.history: list[dict] = []  # evaluation results by step
         self.best_metric = -math.inf
         self.counters = {"skipped_steps": 0, "reward_errors": 0}
+        # what a checkpoint taken on Ctrl-C must restore, and whether weights are mid-update (see fit)
+        self._pre_step_state: dict | None = None
+        self._updating = False
         self._resume()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -171,9 +194,9 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "rng": rng_state(),
             "generator": self.generator.get_state(),
-            "history": self.history,
+            "history": list(self.history),  # copies: a snapshot taken before a step stays as it was
             "best_metric": self.best_metric,
-            "counters": self.counters,
+            "counters": dict(self.counters),
             "total_steps": self.total_steps,
         }
 
@@ -212,7 +235,9 @@ class Trainer:
         )
 
     def rollout(self, samples: list[Sample], prompts: list[list[int]], n: int, evaluation=False) -> list[Trajectory]:
-        generations = self.engine.generate(prompts, n, self.sampling_params(evaluation), self.generator)
+        # evaluation draws from its own stream, so evaluating does not change what training samples
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 1) if evaluation else self.generator
+        generations = self.engine.generate(prompts, n, self.sampling_params(evaluation), generator)
         trajectories = []
         for k, gen in enumerate(generations):
             i, j = divmod(k, n)
@@ -292,6 +317,7 @@ class Trainer:
         gen_tokens = float(lengths.sum())
         all_tokens = gen_tokens + sum(len(p) for p in prompts) * n
         self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
+        self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))
         metrics.update(
             {
                 "adv/mean": float(advantages.mean()),
@@ -316,6 +342,9 @@ class Trainer:
         )
         if torch.cuda.is_available() and self.device.type == "cuda":
             metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
+        # this step's state with this step's weights, not the state from before it
+        self._pre_step_state = self._trainer_state()
         return metrics, trajectories
 
     # ------------------------------------------------------------------ evaluation
@@ -356,6 +385,11 @@ class Trainer:
     def fit(self) -> dict:
         c = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # lines a crashed run wrote after its last checkpoint are dropped: the resumed run redoes them
+        # (resume_mode=disable starts the logs afresh)
+        keep_until = -1 if c.resume_mode == "disable" else self.step
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            drop_lines_after(self.run_dir / name, keep_until)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         loggers = make_loggers(
             c.loggers, self.run_dir, total_steps=self.total_steps, start_step=self.step,
@@ -402,13 +436,17 @@ class Trainer:
         except KeyboardInterrupt:
             # Interrupted while generating or scoring, the weights are those of the last finished
             # step: save them with the state from before this step, so nothing finished is lost
-            # and a resumed run redraws the same batch. Mid-update, the weights are in between.
-            pre = getattr(self, "_pre_step_state", None)
-            if pre is not None and not self._updating and pre["step"] > 0:
+            # and a resumed run redraws the same batch. Interrupted after a step (evaluating,
+            # logging, saving), `_pre_step_state` is that step's own state (set at the end of
+            # train_step). Mid-update, the weights are in between.
+            pre = self._pre_step_state
+            if self._updating:
+                say("interrupted during an update: resume from the last saved checkpoint")
+            elif pre is not None and pre["step"] > 0:
                 path = self.save_checkpoint(pre)
                 say(f"interrupted: saved {path}; run the same command to resume")
             else:
-                say("interrupted during an update: resume from the last saved checkpoint")
+                say("interrupted before a step finished: nothing new to save")
             raise
         finally:
             for lg in loggers:
@@ -423,9 +461,13 @@ class Trainer:
     def summary(self) -> dict:
         first = self.history[0] if self.history else {}
         last = self.history[-1] if self.history else {}
-        base, final = first.get("val/accuracy"), last.get("val/accuracy")
+        # a baseline is an evaluation of the starting model (none with val_before_train=false)
+        base = first.get("val/accuracy") if first.get("step") == 0 else None
+        final = last.get("val/accuracy")
         if base is not None and final is not None:
             line = f"eval accuracy: baseline {base:.2f} -> final {final:.2f} ({final - base:+.2f}) after {self.step} steps"
+        elif final is not None:
+            line = f"eval accuracy: final {final:.2f} after {self.step} steps (no baseline evaluation)"
         else:
             line = f"trained {self.step} steps (no held-out split to evaluate)"
         return {"line": line, "steps": self.step, "baseline": base, "final": final, "history": self.history,

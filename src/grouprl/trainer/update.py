@@ -75,6 +75,11 @@ def micro_batch_weight(mode: str, micro_mask: torch.Tensor, mini_mask: torch.Ten
     return rows(micro_mask) / max(rows(mini_mask), 1.0)
 
 
+# Metrics that are token means over the micro-batch (not terms of the loss): the mini-batch's
+# value is their token-weighted mean, whatever the aggregation mode.
+TOKEN_MEAN_METRICS = frozenset({"actor/clipfrac", "actor/clipfrac_lower", "actor/ppo_kl"})
+
+
 def split(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
@@ -109,16 +114,22 @@ class PolicyUpdater:
         return out
 
     def needs_old_log_probs(self, num_prompts: int) -> bool:
+        """True when some loss is computed after an optimizer step: a second epoch, or a second
+        mini-batch (also a last, smaller one: 3 prompts in mini-batches of 2 take two steps)."""
         mini = self.cfg.mini_batch_size or num_prompts
-        return self.cfg.ppo_epochs > 1 or num_prompts // mini > 1
+        return self.cfg.ppo_epochs > 1 or mini < num_prompts
 
     def update(self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params) -> dict[str, float]:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
-        rows_per_mini = (cfg.mini_batch_size or num_prompts) * (n_rows // max(num_prompts, 1))
+        if cfg.mini_batch_size and cfg.mini_batch_size < num_prompts:
+            rows_per_mini = cfg.mini_batch_size * (n_rows // max(num_prompts, 1))
+        else:  # the whole batch in one step, even if groups are uneven (n_rows % num_prompts != 0)
+            rows_per_mini = n_rows
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         model.train()
+        lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
         for _epoch in range(cfg.ppo_epochs):
             # groups stay whole inside a mini-batch: rows are in group order and the size is a
             # multiple of n_agent
@@ -128,11 +139,12 @@ class PolicyUpdater:
                 micro_metrics: dict[str, float] = defaultdict(float)
                 for micro in split(mini, cfg.micro_batch_size):
                     weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
+                    token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
                     loss, m = self._micro_loss(model, tensors, micro)
                     if weight > 0:
                         (loss * weight).backward()
                     for k, v in m.items():
-                        micro_metrics[k] += v * weight
+                        micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
                 grad_norm = self._clip(params)
                 finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
                 if finite or not self.skip_nonfinite:
@@ -149,7 +161,7 @@ class PolicyUpdater:
                 counts["actor/grad_norm"] += 1
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
-        out["actor/lr"] = scheduler.get_last_lr()[0]
+        out["actor/lr"] = lr_used
         return out
 
     def _clip(self, params) -> float:
@@ -176,15 +188,15 @@ class PolicyUpdater:
             dual_clip=cfg.dual_clip,
             agg_mode=cfg.loss_agg_mode,
         )
-        metrics = {"actor/pg_loss": float(pg_loss), **{f"actor/{k}": v for k, v in m.items()}}
+        metrics = {"actor/pg_loss": float(pg_loss.detach()), **{f"actor/{k}": v for k, v in m.items()}}
         loss = pg_loss
         if want_entropy:
             ent = aggregate_loss(entropy, loss_mask, cfg.loss_agg_mode)
             loss = loss - cfg.entropy_coef * ent
-            metrics["actor/entropy"] = float(ent)
+            metrics["actor/entropy"] = float(ent.detach())
         if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
             kl = aggregate_loss(kl_estimate(log_probs, tensors.ref_log_probs[micro], cfg.kl_loss_type), loss_mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = float(kl)
-        metrics["actor/loss"] = float(loss)
+            metrics["actor/kl_loss"] = float(kl.detach())
+        metrics["actor/loss"] = float(loss.detach())
         return loss, metrics

@@ -1,0 +1,167 @@
+"""Tiny causal LMs and a character-level tokenizer, built in the test (no hub, no downloads).
+
+    from helpers import tiny_model_and_tokenizer
+
+    model, tokenizer = tiny_model_and_tokenizer()                      # Llama, float32, seed 0
+    model, tokenizer = tiny_model_and_tokenizer(arch="qwen2", dtype=torch.float64)
+    model, tokenizer = tiny_model_and_tokenizer(tmp_path)              # also saved there:
+    AutoModelForCausalLM.from_pretrained(tmp_path); AutoTokenizer.from_pretrained(tmp_path)
+
+The tokenizer maps every printable ASCII character (letters, digits, punctuation, space,
+newline) to one token and decodes by concatenation, so `decode(encode(text)) == text` and
+token boundaries are character boundaries. Special tokens: <pad> = 0, <eos> = 1, <unk> = 2.
+It carries a small chat template ("role: content\\n" per message, then "assistant:"), so
+`grouprl.data.prompts.encode_prompt` works on it like on a real chat model; pass
+`chat_template=None` for a base-model tokenizer.
+
+The model (Llama, or Qwen2 which adds attention biases) has 2 layers, hidden size 32,
+4 heads / 2 KV heads, tied embeddings and vocab_size == len(tokenizer); its weights are a
+deterministic function of `seed`. The `tests` folder is on sys.path (tests/conftest.py),
+so test modules anywhere below it can `from helpers import ...`.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A PreTrainedTokenizerFast with one token per character (see the module docstring)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for ch in CHARACTERS:
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # concatenate, no spaces between characters
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
+    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 128, **overrides):
+    """A 2-layer config of `arch` ("llama" or "qwen2"); `overrides` replace any field."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    fields.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**fields)
+    if arch == "qwen2":
+        return Qwen2Config(use_sliding_window=False, **fields)
+    raise ValueError(f"unknown tiny architecture {arch!r}; allowed: llama, qwen2")
+
+
+def tiny_model_and_tokenizer(
+    tmp_path: str | Path | None = None,
+    *,
+    arch: str = "llama",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    init_std: float = 0.2,
+    chat_template: str | None = CHAT_TEMPLATE,
+    **config_overrides,
+):
+    """(model, tokenizer): a seeded tiny causal LM in eval mode and the character tokenizer.
+
+    init_std: the weights' init std. The transformers default (0.02) makes a 2-layer model's
+    next-token distribution almost uniform, so greedy choices hinge on near-ties; 0.2 gives
+    peaked, distinct logits.
+    tmp_path: when given, the model and tokenizer are saved there with save_pretrained (a
+    folder `from_pretrained` and grouprl's model loader accept), and the path stays usable.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = char_tokenizer(chat_template)
+    config = tiny_config(arch, vocab_size=len(tokenizer), initializer_range=init_std, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    model.eval()
+    if tmp_path is not None:
+        Path(tmp_path).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+    return model, tokenizer
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    """Prompts of the given lengths made of ordinary (non-special) token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def exact_float64_norms(model):
+    """Make every RMSNorm of `model` compute in the model's own dtype, in place; returns model.
+
+    transformers' Llama/Qwen2 RMSNorm casts its input to float32 (a *down*cast for a float64
+    model), so gradients that reach the same position along two routes (one shared prompt
+    under several responses) are rounded to float32 once instead of twice: the float64 model
+    is then only float32-accurate. Tests that compare gradients at ~1e-8 need this.
+    """
+    import types
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+    return model
+
+
+def reference_log_probs(model, prompt_ids, response_ids, response_mask, temperature: float = 1.0):
+    """The obvious per-token log-probs and entropy, row by row, for checking faster code.
+
+    Each row runs model(prompt + its unpadded response) alone; the logits predicting response
+    token t (position len(prompt) - 1 + t), divided by `temperature`, go through log_softmax
+    and gather, and through grouprl.algorithms.entropy_from_logits. Differentiable.
+    prompt_ids: N lists; response_ids, response_mask: [N, R]. -> (log_probs, entropy), both
+    [N, R] in float64, 0 at padding.
+    """
+    from grouprl.algorithms import entropy_from_logits
+
+    rows_lp, rows_ent = [], []
+    for i, prompt in enumerate(prompt_ids):
+        length = int(response_mask[i].sum())
+        response = response_ids[i, :length]
+        ids = torch.tensor(list(prompt) + response.tolist(), device=response_ids.device).unsqueeze(0)
+        logits = model(input_ids=ids).logits[0].double() / temperature  # [P + r, V]
+        predicting = logits[len(prompt) - 1 : len(prompt) - 1 + length]  # [r, V]
+        rows_lp.append(torch.log_softmax(predicting, -1).gather(-1, response.unsqueeze(-1)).squeeze(-1))
+        rows_ent.append(entropy_from_logits(predicting))
+    mask = response_mask.bool()
+    zeros = torch.zeros(response_ids.shape, dtype=torch.float64, device=response_ids.device)
+    return zeros.masked_scatter(mask, torch.cat(rows_lp)), zeros.masked_scatter(mask, torch.cat(rows_ent))

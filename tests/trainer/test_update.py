@@ -1,0 +1,363 @@
+"""PolicyUpdater against a hand-built loss on the whole mini-batch.
+
+The reference takes per-token log-probs and entropy from the full logits of each row
+(helpers.reference_log_probs), then the (already tested) pure algorithm functions:
+
+    loss = policy_loss(lp, old, A, loss_mask; agg) - entropy_coef * agg(entropy)
+           + kl_loss_coef * agg(kl(lp, ref))
+
+and its gradient must equal what PolicyUpdater accumulates over micro-batches, whatever
+their size. The batch: 2 prompts x 4 samples, responses of 1 to 6 tokens, observation
+tokens (loss_mask 0) inside two responses, one truncated row, ratios away from 1 so that
+clipping acts. grouprl's log-prob code applies the LM head in float32 (see test_logprobs),
+so the reference comparisons hold to rtol 1e-5; micro-batch sizes agree with each other
+to 1e-6.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from grouprl.algorithms import AGG_MODES, aggregate_loss, kl_estimate, policy_loss
+from grouprl.config import ActorConfig, OptimConfig
+from grouprl.data.sample import Sample
+from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.update import PolicyUpdater, build_step_tensors
+from helpers import exact_float64_norms, random_prompts, reference_log_probs, tiny_model_and_tokenizer
+
+TEMPERATURE = 0.9
+# per prompt: (response length, observation span or None, finish_reason)
+RESPONSES = [
+    [(3, None, "eos"), (5, (2, 4), "eos"), (1, None, "eos"), (4, None, "length")],
+    [(6, (1, 3), "stop"), (2, None, "eos"), (5, None, "eos"), (3, None, "eos")],
+]
+N_ROWS = sum(len(group) for group in RESPONSES)
+
+
+def make_trajectories(vocab_size: int, seed: int = 0) -> list[Trajectory]:
+    prompts = random_prompts([4, 7], vocab_size, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    advantages = torch.randn(N_ROWS, generator=gen).tolist()
+    trajectories = []
+    for g, group in enumerate(RESPONSES):
+        sample = Sample(uid=f"prompt-{g}", messages=[{"role": "user", "content": str(g)}])
+        for j, (length, observation, finish) in enumerate(group):
+            loss_mask = [1] * length
+            if observation is not None:
+                loss_mask[observation[0] : observation[1]] = [0] * (observation[1] - observation[0])
+            trajectories.append(
+                Trajectory(
+                    sample=sample,
+                    index=j,
+                    prompt_ids=list(prompts[g]),
+                    response_ids=torch.randint(3, vocab_size, (length,), generator=gen).tolist(),
+                    loss_mask=loss_mask,
+                    finish_reason=finish,
+                    advantage=advantages[len(trajectories)],
+                )
+            )
+    return trajectories
+
+
+class GradRecorder:
+    """Stands in for the optimizer: records the accumulated gradient at each step, changes nothing."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.steps: list[list[torch.Tensor]] = []
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.steps.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params])
+
+
+class CountingScheduler:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+
+    def get_last_lr(self):
+        return [0.1]
+
+
+def actor_config(**overrides) -> ActorConfig:
+    fields = dict(
+        policy_loss="ppo",
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
+        loss_agg_mode="token-mean",
+        micro_batch_size=N_ROWS,
+        mini_batch_size=0,
+        entropy_coef=0.0,
+        kl_loss_coef=0.0,
+        kl_loss_type="k3",
+        logits_chunk_size=4,
+        optim=OptimConfig(grad_clip=0.0),
+    )
+    fields.update(overrides)
+    return ActorConfig(**fields)
+
+
+def accumulated_grads(model, tensors, cfg, num_prompts=2):
+    """Run PolicyUpdater.update with a recording optimizer: (per-step gradients, metrics)."""
+    updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = GradRecorder(params)
+    metrics = updater.update(model, optimizer, CountingScheduler(), tensors, num_prompts, params)
+    model.eval()
+    return optimizer.steps, metrics
+
+
+def hand_built_loss(model, tensors, cfg, rows=None):
+    rows = list(range(len(tensors.prompt_ids))) if rows is None else rows
+    batch = tensors.rows(rows)
+    lp, ent = reference_log_probs(model, batch.prompt_ids, batch.response_ids, batch.response_mask, TEMPERATURE)
+    mask = tensors.loss_mask[rows].double()
+    old = tensors.old_log_probs[rows].double() if tensors.old_log_probs is not None else lp.detach()
+    loss, _ = policy_loss(
+        cfg.policy_loss,
+        lp,
+        old,
+        tensors.advantages[rows].double(),
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        agg_mode=cfg.loss_agg_mode,
+    )
+    loss = loss - cfg.entropy_coef * aggregate_loss(ent, mask, cfg.loss_agg_mode)
+    if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
+        kl = kl_estimate(lp, tensors.ref_log_probs[rows].double(), cfg.kl_loss_type)
+        loss = loss + cfg.kl_loss_coef * aggregate_loss(kl, mask, cfg.loss_agg_mode)
+    return loss
+
+
+def hand_built_grads(model, tensors, cfg, rows=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(hand_built_loss(model, tensors, cfg, rows), params))
+
+
+def assert_grads_close(actual, expected, rtol):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.double(), e.double(), rtol=rtol, atol=rtol * float(e.abs().max()))
+
+
+def max_relative_difference(a_list, b_list) -> float:
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(a_list, b_list))
+
+
+@pytest.fixture(scope="module")
+def model():
+    model, _ = tiny_model_and_tokenizer(dtype=torch.float64, seed=5)
+    return exact_float64_norms(model)
+
+
+@pytest.fixture(scope="module")
+def tensors(model):
+    """Step tensors with old log-probs 0.3-ish away from the current ones (clipping acts) and a
+    reference policy further away (the KL term has a gradient)."""
+    tensors = build_step_tensors(make_trajectories(model.config.vocab_size), "cpu", mask_truncated=True, pad_token_id=0)
+    with torch.no_grad():
+        lp, _ = reference_log_probs(
+            model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE
+        )
+    gen = torch.Generator().manual_seed(11)
+    real = tensors.response_mask.bool()
+    tensors.old_log_probs = torch.where(real, lp + 0.3 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0).float()
+    tensors.ref_log_probs = torch.where(real, lp + 0.5 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0).float()
+    return tensors
+
+
+def test_build_step_tensors():
+    trajectories = make_trajectories(50)
+    trajectories.append(
+        Trajectory(sample=trajectories[0].sample, index=9, prompt_ids=[3, 4], finish_reason="length", advantage=0.5)
+    )  # an empty response
+    for mask_truncated in (True, False):
+        t = build_step_tensors(trajectories, "cpu", mask_truncated=mask_truncated, pad_token_id=7)
+        assert t.response_ids.shape == t.response_mask.shape == t.loss_mask.shape == (N_ROWS + 1, 6)
+        assert t.prompt_ids == [tr.prompt_ids for tr in trajectories]
+        torch.testing.assert_close(t.advantages, torch.tensor([tr.advantage for tr in trajectories]))
+        for i, tr in enumerate(trajectories):
+            r = len(tr.response_ids)
+            assert t.response_ids[i, :r].tolist() == tr.response_ids and (t.response_ids[i, r:] == 7).all()
+            assert t.response_mask[i].tolist() == [1] * r + [0] * (6 - r)
+            masked = mask_truncated and tr.truncated
+            assert t.loss_mask[i].tolist() == ([0.0] * r if masked else tr.loss_mask) + [0.0] * (6 - r)
+        assert t.loss_mask[1].tolist() == [1, 1, 0, 0, 1, 0]  # observation tokens stay out
+        assert (t.loss_mask[3].sum() == 0) == mask_truncated  # the truncated row
+
+
+@pytest.mark.parametrize(
+    "mode, policy", [(mode, "ppo") for mode in sorted(AGG_MODES)] + [("seq-mean-token-mean", "gspo")]
+)
+def test_micro_batches_accumulate_to_the_mini_batch_gradient(model, tensors, mode, policy):
+    cfg = actor_config(loss_agg_mode=mode, policy_loss=policy, entropy_coef=0.05, kl_loss_coef=0.2)
+    expected = hand_built_grads(model, tensors, cfg)
+    results = {}
+    for micro in (1, 3, N_ROWS):
+        steps, metrics = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}))
+        assert len(steps) == 1 and metrics["actor/skipped_steps"] == 0
+        assert_grads_close(steps[0], expected, 1e-5)
+        results[micro] = (steps[0], metrics)
+    for micro in (1, 3):
+        assert max_relative_difference(results[micro][0], results[N_ROWS][0]) < 1e-6
+    # the mini-batch's metrics do not depend on how it was cut into micro-batches
+    assert results[1][1].keys() == results[N_ROWS][1].keys()
+    for key, value in results[N_ROWS][1].items():
+        if key != "actor/grad_norm":
+            for micro in (1, 3):
+                assert results[micro][1][key] == pytest.approx(value, rel=1e-5, abs=2e-6), (key, micro)
+    assert results[1][1]["actor/grad_norm"] == pytest.approx(results[N_ROWS][1]["actor/grad_norm"], rel=1e-6)
+    # and they are the mini-batch's: the loss value matches the hand-built one
+    with torch.no_grad():
+        assert results[N_ROWS][1]["actor/loss"] == pytest.approx(float(hand_built_loss(model, tensors, cfg)), rel=1e-5, abs=1e-6)
+
+
+def test_clipping_is_active_so_the_comparison_means_something(model, tensors):
+    _, metrics = accumulated_grads(model, tensors, actor_config())
+    assert 0.1 < metrics["actor/clipfrac"] < 0.9
+
+
+def test_each_mini_batch_steps_on_its_own_groups(model, tensors):
+    cfg = actor_config(mini_batch_size=1, micro_batch_size=3, loss_agg_mode="seq-mean-token-mean")
+    steps, _ = accumulated_grads(model, tensors, cfg)
+    assert len(steps) == 2
+    assert_grads_close(steps[0], hand_built_grads(model, tensors, cfg, rows=[0, 1, 2, 3]), 1e-5)
+    assert_grads_close(steps[1], hand_built_grads(model, tensors, cfg, rows=[4, 5, 6, 7]), 1e-5)
+    steps2, _ = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "ppo_epochs": 2}))
+    assert len(steps2) == 4  # the recorder leaves the weights alone: epoch 2 repeats epoch 1
+    assert max_relative_difference(steps2[2], steps[0]) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "ppo_epochs, mini_batch_size, num_prompts, needed",
+    [
+        (1, 0, 4, False),  # one step on the whole batch: the current policy is the old one
+        (1, 4, 4, False),
+        (1, 8, 4, False),
+        (1, 2, 4, True),  # the second mini-batch comes after an optimizer step
+        (1, 2, 3, True),  # 2 + 1 prompts: two steps as well
+        (1, 3, 4, True),
+        (2, 0, 4, True),  # epoch 2 comes after a step
+    ],
+)
+def test_needs_old_log_probs(ppo_epochs, mini_batch_size, num_prompts, needed):
+    updater = PolicyUpdater(
+        actor_config(ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size), temperature=1.0, pad_token_id=0
+    )
+    assert updater.needs_old_log_probs(num_prompts) is needed
+
+
+def test_detached_current_log_probs_equal_explicit_old_log_probs(model, tensors):
+    """ppo_epochs=1, one mini-batch: the update without old log-probs (current ones, detached)
+    is the update with old log-probs scored beforehand."""
+    cfg = actor_config(micro_batch_size=3, entropy_coef=0.05, kl_loss_coef=0.2)
+    updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0)
+    assert not updater.needs_old_log_probs(2)
+    weights = {}
+    for explicit in (False, True):
+        policy = copy.deepcopy(model)
+        step = copy.copy(tensors)
+        step.old_log_probs = updater.score_all(policy, step) if explicit else None
+        params = list(policy.parameters())
+        optimizer = torch.optim.SGD(params, lr=0.5)
+        updater.update(policy, optimizer, CountingScheduler(), step, 2, params)
+        weights[explicit] = [p.detach().clone() for p in params]
+    moved = max(float((a - b.detach()).abs().max()) for a, b in zip(weights[True], model.parameters()))
+    assert moved > 1e-3
+    for a, b in zip(weights[False], weights[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_nan_advantage_skips_the_step(model, tensors):
+    policy = copy.deepcopy(model)
+    params = list(policy.parameters())
+    before = [p.detach().clone() for p in params]
+    step = copy.copy(tensors)
+    step.advantages = tensors.advantages.clone()
+    step.advantages[1] = float("nan")
+    scheduler = CountingScheduler()
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    updater = PolicyUpdater(actor_config(micro_batch_size=3), temperature=TEMPERATURE, pad_token_id=0)
+    metrics = updater.update(policy, optimizer, scheduler, step, 2, params)
+    assert metrics["actor/skipped_steps"] == 1
+    assert scheduler.steps == 0
+    assert all(p.grad is None for p in params)  # nothing left over for the next step
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+    assert all(math.isfinite(v) for k, v in metrics.items() if k not in ("actor/pg_loss", "actor/loss"))
+    # the same batch with a finite advantage does step
+    metrics = updater.update(policy, optimizer, scheduler, tensors, 2, params)
+    assert metrics["actor/skipped_steps"] == 0 and scheduler.steps == 1
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("mode", sorted(AGG_MODES))
+def test_masked_positions_contribute_nothing(model, tensors, mode):
+    """Old and reference log-probs under loss_mask == 0 (observations, the masked truncated row)
+    may be anything: the gradient does not change."""
+    cfg = actor_config(loss_agg_mode=mode, entropy_coef=0.05, kl_loss_coef=0.2)
+    steps, _ = accumulated_grads(model, tensors, cfg)
+    garbage = copy.copy(tensors)
+    outside = tensors.loss_mask == 0
+    garbage.old_log_probs = tensors.old_log_probs.masked_fill(outside, 30.0)
+    garbage.ref_log_probs = tensors.ref_log_probs.masked_fill(outside, -30.0)
+    garbage_steps, _ = accumulated_grads(model, garbage, cfg)
+    assert max_relative_difference(garbage_steps[0], steps[0]) < 1e-12
+    # the loss mask is what matters: let the observation tokens in and the gradient moves
+    unmasked = copy.copy(tensors)
+    unmasked.loss_mask = tensors.response_mask.float()
+    unmasked_steps, _ = accumulated_grads(model, unmasked, cfg)
+    assert max_relative_difference(unmasked_steps[0], steps[0]) > 1e-3
+
+
+@pytest.mark.parametrize("mode", sorted(AGG_MODES))
+def test_masked_truncated_row_is_as_if_absent(model, mode):
+    trajectories = make_trajectories(model.config.vocab_size)
+    truncated = [i for i, t in enumerate(trajectories) if t.truncated]
+    assert truncated == [3]  # not the longest row: removing it keeps the padded width
+    cfg = actor_config(loss_agg_mode=mode, entropy_coef=0.05)
+    grads = {}
+    for name, rows, mask_truncated in (
+        ("masked", trajectories, True),
+        ("absent", [t for t in trajectories if not t.truncated], True),
+        ("kept", trajectories, False),
+    ):
+        tensors = build_step_tensors(rows, "cpu", mask_truncated=mask_truncated, pad_token_id=0)
+        grads[name] = accumulated_grads(model, tensors, cfg)[0]
+        assert len(grads[name]) == 1
+    assert max_relative_difference(grads["masked"][0], grads["absent"][0]) < 1e-6
+    assert max_relative_difference(grads["kept"][0], grads["absent"][0]) > 1e-3
+
+
+def test_entropy_and_kl_terms_change_the_gradient_as_built_by_hand(model, tensors):
+    params = [p for p in model.parameters() if p.requires_grad]
+    base = actor_config(loss_agg_mode="seq-mean-token-mean")
+    plain = accumulated_grads(model, tensors, base)[0][0]
+    mask = tensors.loss_mask.double()
+    lp, ent = reference_log_probs(model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE)
+    entropy_grad = torch.autograd.grad(aggregate_loss(ent, mask, base.loss_agg_mode), params, retain_graph=True)
+    for kl_type in ("k3", "k1", "k2"):
+        kl = kl_estimate(lp, tensors.ref_log_probs.double(), kl_type)
+        kl_grad = torch.autograd.grad(aggregate_loss(kl, mask, base.loss_agg_mode), params, retain_graph=True)
+        cfg = actor_config(**{**base.__dict__, "kl_loss_coef": 0.4, "kl_loss_type": kl_type})
+        with_kl = accumulated_grads(model, tensors, cfg)[0][0]
+        assert_grads_close([a - b for a, b in zip(with_kl, plain)], [0.4 * g for g in kl_grad], 1e-5)
+    with_entropy = accumulated_grads(model, tensors, actor_config(**{**base.__dict__, "entropy_coef": 0.3}))[0][0]
+    # a bonus: the loss goes down as the entropy goes up
+    assert_grads_close([a - b for a, b in zip(with_entropy, plain)], [-0.3 * g for g in entropy_grad], 1e-5)
+    # no reference log-probs: no KL term, whatever the coefficient
+    no_ref = copy.copy(tensors)
+    no_ref.ref_log_probs = None
+    steps, metrics = accumulated_grads(model, no_ref, actor_config(**{**base.__dict__, "kl_loss_coef": 0.4}))
+    assert max_relative_difference(steps[0], plain) < 1e-12 and "actor/kl_loss" not in metrics
