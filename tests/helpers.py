@@ -54,6 +54,22 @@ def char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
     return tokenizer
 
 
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer with no merges (one token per byte, GPT-2/Qwen/Llama-3 style
+    spelling: a space is the piece "Ġ", a newline "Ċ"); <pad> = 0, <eos> = 1, 258 tokens.
+    For tests of code that looks at token pieces rather than decoded text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1}
+    for piece in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, padding_side="left")
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 128, **overrides):
     """A 2-layer config of `arch` ("llama" or "qwen2"); `overrides` replace any field."""
     from transformers import LlamaConfig, Qwen2Config

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grouprl.rollout.hf_engine import HFEngine, SamplingParams, sample_next
-from helpers import random_prompts, tiny_model_and_tokenizer
+from helpers import byte_level_tokenizer, random_prompts, tiny_config, tiny_model_and_tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 PROMPT_LENGTHS = [3, 7, 1, 12]
@@ -168,6 +168,45 @@ def test_stop_string_ends_with_stop_and_text_contains_it(model_and_tokenizer, pr
             assert g.finish_reason == "stop" and stop in g.text and text.startswith(g.text)
         else:
             assert (g.token_ids, g.finish_reason) == (row, "length")
+
+
+def test_common_prompt_prefix_prefilled_once_changes_nothing(model_and_tokenizer):
+    """Prompts that open with the same 20 tokens (one of them is exactly that opening): the shared
+    opening is prefilled once and its cache expanded, then the suffixes are prefilled with
+    padding between the two. Greedy text must equal transformers' own generate, and seeded samples
+    must equal the engine with the common-prefix path switched off."""
+    model, tokenizer = model_and_tokenizer
+    opening = random_prompts([20], len(tokenizer), seed=5)[0]
+    prompts = [opening + tail for tail in random_prompts([3, 0, 7, 1], len(tokenizer), seed=6)]
+    expected = hf_greedy(model, prompts, GREEDY.max_new_tokens)
+    common = HFEngine(model, tokenizer, min_common_prefix=16)
+    plain = HFEngine(model, tokenizer, min_common_prefix=10**9)
+    generations = common.generate(prompts, 2, GREEDY)
+    assert [g.token_ids for g in generations] == [row for row in expected for _ in range(2)]
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
+    samples = common.generate(prompts, 2, sampling, torch.Generator().manual_seed(4))
+    assert samples == plain.generate(prompts, 2, sampling, torch.Generator().manual_seed(4))
+
+
+def test_stop_string_ending_in_a_space_with_a_byte_level_tokenizer():
+    """A model that prefers a space after 'hello': stop=[" "] must end the row at once."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = byte_level_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = tiny_config(vocab_size=len(tokenizer), initializer_range=0.2, tie_word_embeddings=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    engine = HFEngine(model, tokenizer)
+    prompt = tokenizer("hello")["input_ids"]
+    first = engine.generate([prompt], 1, SamplingParams(max_new_tokens=1, temperature=0.0))[0].token_ids[0]
+    space = tokenizer.convert_tokens_to_ids("Ġ")
+    with torch.no_grad():  # the space's output row: 3 x the row of the token greedy picked
+        model.lm_head.weight[space] = 3 * model.lm_head.weight[first]
+    greedy = engine.generate([prompt], 1, SamplingParams(max_new_tokens=4, temperature=0.0))[0]
+    assert greedy.token_ids[0] == space and greedy.text.startswith(" ")
+    stopped = engine.generate([prompt], 1, SamplingParams(max_new_tokens=4, temperature=0.0, stop=[" "]))[0]
+    assert (stopped.token_ids, stopped.finish_reason) == ([space], "stop")
 
 
 def test_max_new_tokens_gives_length(model_and_tokenizer, prompts, alone):

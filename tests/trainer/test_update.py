@@ -9,9 +9,8 @@ The reference takes per-token log-probs and entropy from the full logits of each
 and its gradient must equal what PolicyUpdater accumulates over micro-batches, whatever
 their size. The batch: 2 prompts x 4 samples, responses of 1 to 6 tokens, observation
 tokens (loss_mask 0) inside two responses, one truncated row, ratios away from 1 so that
-clipping acts. grouprl's log-prob code applies the LM head in float32 (see test_logprobs),
-so the reference comparisons hold to rtol 1e-5; micro-batch sizes agree with each other
-to 1e-6.
+clipping acts. The model is float64 with float64 RMSNorms (helpers.exact_float64_norms), so
+gradients match the reference to rtol 1e-8 and micro-batch sizes agree with each other to 1e-10.
 """
 
 import copy
@@ -207,20 +206,20 @@ def test_micro_batches_accumulate_to_the_mini_batch_gradient(model, tensors, mod
     for micro in (1, 3, N_ROWS):
         steps, metrics = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}))
         assert len(steps) == 1 and metrics["actor/skipped_steps"] == 0
-        assert_grads_close(steps[0], expected, 1e-5)
+        assert_grads_close(steps[0], expected, 1e-8)
         results[micro] = (steps[0], metrics)
     for micro in (1, 3):
-        assert max_relative_difference(results[micro][0], results[N_ROWS][0]) < 1e-6
+        assert max_relative_difference(results[micro][0], results[N_ROWS][0]) < 1e-10
     # the mini-batch's metrics do not depend on how it was cut into micro-batches
     assert results[1][1].keys() == results[N_ROWS][1].keys()
     for key, value in results[N_ROWS][1].items():
         if key != "actor/grad_norm":
             for micro in (1, 3):
-                assert results[micro][1][key] == pytest.approx(value, rel=1e-5, abs=2e-6), (key, micro)
-    assert results[1][1]["actor/grad_norm"] == pytest.approx(results[N_ROWS][1]["actor/grad_norm"], rel=1e-6)
+                assert results[micro][1][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (key, micro)
+    assert results[1][1]["actor/grad_norm"] == pytest.approx(results[N_ROWS][1]["actor/grad_norm"], rel=1e-10)
     # and they are the mini-batch's: the loss value matches the hand-built one
     with torch.no_grad():
-        assert results[N_ROWS][1]["actor/loss"] == pytest.approx(float(hand_built_loss(model, tensors, cfg)), rel=1e-5, abs=1e-6)
+        assert results[N_ROWS][1]["actor/loss"] == pytest.approx(float(hand_built_loss(model, tensors, cfg)), rel=1e-9, abs=1e-12)
 
 
 def test_clipping_is_active_so_the_comparison_means_something(model, tensors):
@@ -232,8 +231,8 @@ def test_each_mini_batch_steps_on_its_own_groups(model, tensors):
     cfg = actor_config(mini_batch_size=1, micro_batch_size=3, loss_agg_mode="seq-mean-token-mean")
     steps, _ = accumulated_grads(model, tensors, cfg)
     assert len(steps) == 2
-    assert_grads_close(steps[0], hand_built_grads(model, tensors, cfg, rows=[0, 1, 2, 3]), 1e-5)
-    assert_grads_close(steps[1], hand_built_grads(model, tensors, cfg, rows=[4, 5, 6, 7]), 1e-5)
+    assert_grads_close(steps[0], hand_built_grads(model, tensors, cfg, rows=[0, 1, 2, 3]), 1e-8)
+    assert_grads_close(steps[1], hand_built_grads(model, tensors, cfg, rows=[4, 5, 6, 7]), 1e-8)
     steps2, _ = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "ppo_epochs": 2}))
     assert len(steps2) == 4  # the recorder leaves the weights alone: epoch 2 repeats epoch 1
     assert max_relative_difference(steps2[2], steps[0]) < 1e-12
@@ -302,6 +301,16 @@ def test_nan_advantage_skips_the_step(model, tensors):
     assert any(not torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
+def test_nan_advantage_of_a_row_without_loss_tokens_does_not_skip_the_step(model, tensors):
+    assert tensors.loss_mask[3].sum() == 0  # the masked truncated row
+    step = copy.copy(tensors)
+    step.advantages = tensors.advantages.clone()
+    step.advantages[3] = float("nan")
+    steps, metrics = accumulated_grads(model, step, actor_config())
+    assert metrics["actor/skipped_steps"] == 0
+    assert_grads_close(steps[0], accumulated_grads(model, tensors, actor_config())[0][0], 1e-12)
+
+
 @pytest.mark.parametrize("mode", sorted(AGG_MODES))
 def test_masked_positions_contribute_nothing(model, tensors, mode):
     """Old and reference log-probs under loss_mask == 0 (observations, the masked truncated row)
@@ -336,7 +345,7 @@ def test_masked_truncated_row_is_as_if_absent(model, mode):
         tensors = build_step_tensors(rows, "cpu", mask_truncated=mask_truncated, pad_token_id=0)
         grads[name] = accumulated_grads(model, tensors, cfg)[0]
         assert len(grads[name]) == 1
-    assert max_relative_difference(grads["masked"][0], grads["absent"][0]) < 1e-6
+    assert max_relative_difference(grads["masked"][0], grads["absent"][0]) < 1e-10
     assert max_relative_difference(grads["kept"][0], grads["absent"][0]) > 1e-3
 
 
@@ -352,10 +361,10 @@ def test_entropy_and_kl_terms_change_the_gradient_as_built_by_hand(model, tensor
         kl_grad = torch.autograd.grad(aggregate_loss(kl, mask, base.loss_agg_mode), params, retain_graph=True)
         cfg = actor_config(**{**base.__dict__, "kl_loss_coef": 0.4, "kl_loss_type": kl_type})
         with_kl = accumulated_grads(model, tensors, cfg)[0][0]
-        assert_grads_close([a - b for a, b in zip(with_kl, plain)], [0.4 * g for g in kl_grad], 1e-5)
+        assert_grads_close([a - b for a, b in zip(with_kl, plain)], [0.4 * g for g in kl_grad], 1e-8)
     with_entropy = accumulated_grads(model, tensors, actor_config(**{**base.__dict__, "entropy_coef": 0.3}))[0][0]
     # a bonus: the loss goes down as the entropy goes up
-    assert_grads_close([a - b for a, b in zip(with_entropy, plain)], [-0.3 * g for g in entropy_grad], 1e-5)
+    assert_grads_close([a - b for a, b in zip(with_entropy, plain)], [-0.3 * g for g in entropy_grad], 1e-8)
     # no reference log-probs: no KL term, whatever the coefficient
     no_ref = copy.copy(tensors)
     no_ref.ref_log_probs = None

@@ -78,6 +78,9 @@ def policy_loss(
             f"advantages must be [N] or [N, T] = {tuple(log_probs.shape)}, got shape {tuple(advantages.shape)}"
         )
     advantages = advantages.to(log_probs.dtype).detach()
+    # tokens outside the loss carry no advantage: a NaN on a fully masked row (e.g. a masked
+    # truncated sample) must not reach the gradient through 0 * NaN
+    advantages = torch.where(loss_mask != 0, advantages, torch.zeros((), dtype=advantages.dtype))
     old_log_probs = old_log_probs.detach()  # the behaviour policy is a constant
 
     pg_losses, metrics = token_losses(

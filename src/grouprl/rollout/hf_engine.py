@@ -92,8 +92,9 @@ class HFEngine:
 
     def _may_end_stop(self, token_id: int, stop_ends: set[str]) -> bool:
         """Cheap filter before decoding a tail: can this token's text end a stop string? Printable
-        ASCII survives byte-level BPE token spelling unchanged; anything else is always checked."""
-        if any(not (c.isascii() and c.isprintable()) for c in stop_ends):
+        ASCII other than spaces survives byte-level BPE / SentencePiece token spelling unchanged;
+        anything else is always checked."""
+        if any(c.isspace() or not (c.isascii() and c.isprintable()) for c in stop_ends):
             return True
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         return piece is None or any(c in piece for c in stop_ends)

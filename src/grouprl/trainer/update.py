@@ -106,10 +106,13 @@ class PolicyUpdater:
 
     @torch.no_grad()
     def score_all(self, model, tensors: StepTensors) -> torch.Tensor:
-        """Log-probs of every row without gradient (old or reference policy), [N, R]."""
-        out = torch.zeros_like(tensors.loss_mask)
+        """Log-probs of every row without gradient (old or reference policy), [N, R], in the
+        log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
+        out = None
         for index in split(list(range(len(tensors.prompt_ids))), self.cfg.micro_batch_size):
             lp, _ = self.log_probs(model, tensors, index)
+            if out is None:
+                out = lp.new_zeros(tensors.loss_mask.shape)
             out[index] = lp
         return out
 
