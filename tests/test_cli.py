@@ -60,7 +60,7 @@ def test_dry_run_prints_the_plan_of_the_default_recipe(capsys, no_model_load):
     assert any("policy: builtin:smollm2-135m-instruct [built-in (SmolLM2-135M-Instruct.Q4_1.gguf" in line for line in lines)
     assert "  reference: none (no KL term)" in lines
     assert "  reward: 1 x correctness + 0.1 x soft_format" in lines
-    assert any(line.startswith("  run: 60 steps, save every 20") for line in lines)
+    assert any(line.startswith("  run: 20 steps, save every 10") for line in lines)
 
 
 def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path, no_model_load):

@@ -67,7 +67,7 @@ def test_the_default_recipe_loads_with_its_values():
     assert cfg.actor.clip_low == pytest.approx(3e-4) and cfg.actor.clip_high == pytest.approx(4e-4)
     assert cfg.actor.optim.lr == pytest.approx(1e-5) and isinstance(cfg.actor.optim.lr, float)
     assert [(c.name, c.weight) for c in cfg.reward.components] == [("correctness", 1.0), ("soft_format", 0.1)]
-    assert cfg.trainer.total_steps == 60
+    assert cfg.trainer.total_steps == 20 and cfg.trainer.test_freq == 10 and cfg.rollout.temperature == pytest.approx(0.7)
 
 
 def test_to_dict_round_trips_through_load(tmp_path):
