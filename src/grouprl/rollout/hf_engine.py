@@ -61,7 +61,7 @@ def _common_prefix_length(rows: list[list[int]]) -> int:
     return length
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding puts every row's last token at the end: [B, W] ids and attention mask."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -146,7 +146,7 @@ class HFEngine:
             cache.batch_repeat_interleave(len(prompts))
         else:
             common = 0
-        suffix_ids, suffix_mask = _left_pad([p[common:] for p in prompts], self.pad_token_id, device)
+        suffix_ids, suffix_mask = left_pad([p[common:] for p in prompts], self.pad_token_id, device)
         # the padding sits between the shared prefix and each row's own tokens; it is masked out
         attention_mask = torch.cat([suffix_mask.new_ones((len(prompts), common)), suffix_mask], dim=-1)
         position_ids = common + (suffix_mask.cumsum(-1) - 1).clamp(min=0)

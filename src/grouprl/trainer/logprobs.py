@@ -17,6 +17,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from grouprl.rollout.hf_engine import left_pad
+
 
 @dataclass
 class ResponseBatch:
@@ -70,16 +72,6 @@ def _scatter_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Place flat per-token values [M] back at the mask's 1-positions of a zero [N, R] tensor."""
     out = values.new_zeros(mask.shape)
     return out.masked_scatter(mask.bool(), values)
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def response_log_probs(
@@ -139,7 +131,7 @@ def _shared_prefix_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
     for p in batch.prompt_ids:
         row_to_prefix.append(unique.setdefault(tuple(p), len(unique)))
     prefixes = [list(p) for p in unique]
-    prefix_ids, prefix_mask = _left_pad(prefixes, pad_token_id, device)  # [U, L]
+    prefix_ids, prefix_mask = left_pad(prefixes, pad_token_id, device)  # [U, L]
     prefix_pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     prefix_hidden = decoder(
