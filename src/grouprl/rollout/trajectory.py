@@ -26,6 +26,7 @@ class Trajectory:
     response_text: str = ""
     finish_reason: str = ""  # "eos" | "stop" | "length"
     turns: list[dict[str, Any]] = field(default_factory=list)  # per-turn records (agents)
+    retrieved: list[str] = field(default_factory=list)  # doc ids the agent retrieved, first-retrieval order
     rewards: dict[str, float] = field(default_factory=dict)  # named components
     reward: float = 0.0  # composite
     advantage: float = 0.0
