@@ -140,6 +140,7 @@ class RolloutWriter:
                 "prompt": prompt_texts.get(t.uid, ""),
                 "response": t.response_text,
                 "turns": t.turns,
+                "retrieved": t.retrieved,
                 "rewards": {k: _clean(v) for k, v in t.rewards.items()},
                 "reward": _clean(t.reward),
                 "advantage": _clean(t.advantage),
