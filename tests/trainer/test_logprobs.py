@@ -14,7 +14,7 @@ the norm's float32 backward instead of after).
 import pytest
 import torch
 
-from grouprl.trainer.logprobs import ResponseBatch, response_log_probs
+from grouprl.trainer.logprobs import ResponseBatch, prefix_forward, response_log_probs, unique_prompts
 from helpers import exact_float64_norms, random_prompts, reference_log_probs, tiny_model_and_tokenizer
 
 PROMPT_LENGTHS = [5, 9, 1]
@@ -154,15 +154,71 @@ def test_without_entropy_gives_zero_entropy(model, batch):
     torch.testing.assert_close(lp, lp_e, rtol=0, atol=0)
 
 
+def _count_layer_calls(model):
+    """Forward calls of the layers' attention modules (a checkpointed backward replays each layer
+    once more) and the input tokens of every decoder call."""
+    counts = {"layer_calls": 0, "tokens": 0}
+    decoder = model.get_decoder()
+
+    def on_layer(module, args, kwargs):
+        counts["layer_calls"] += 1
+
+    def on_embed(module, args):
+        counts["tokens"] += args[0].numel()
+
+    for layer in decoder.layers:  # the checkpoint replays layer.forward, which calls self_attn
+        layer.self_attn.register_forward_pre_hook(on_layer, with_kwargs=True)
+    decoder.embed_tokens.register_forward_pre_hook(on_embed)
+    return counts
+
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
-def test_gradient_checkpointing_in_training_falls_back_to_full_sequences(batch):
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_gradient_checkpointing_keeps_values_gradients_and_the_shared_prefix(batch, shared_prefix):
     model = exact_float64_norms(tiny_model_and_tokenizer(dtype=torch.float64, seed=3)[0])
     mask = batch.response_mask
-    expected = grads(model, scalar_loss(*reference(model, batch), mask))
+    ref_lp, ref_ent = reference(model, batch)
+    expected = grads(model, scalar_loss(ref_lp, ref_ent, mask))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # the tiny config has no dropout, so train mode changes nothing else
-    lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True)
+    counts = _count_layer_calls(model)
+    lp, ent = response_log_probs(model, batch, shared_prefix=shared_prefix, with_entropy=True)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=ATOL)
+    forward_calls = counts["layer_calls"]
     assert_grads_close(grads(model, scalar_loss(lp, ent, mask)), expected, GRAD_RTOL)
+    n_layers = len(model.get_decoder().layers)
+    passes = 2 if shared_prefix else 1  # prefix pass + response pass
+    assert forward_calls == passes * n_layers
+    assert counts["layer_calls"] == 2 * passes * n_layers  # every layer replayed in backward
+    width = mask.shape[1]
+    if shared_prefix:  # each distinct prompt ran once (left-padded to the longest), then the responses
+        assert counts["tokens"] == len(PROMPT_LENGTHS) * max(PROMPT_LENGTHS) + len(ROWS) * width
+
+
+def test_prefix_reused_by_several_micro_batches_gives_the_single_pass_gradient(model, batch):
+    """One prefix pass, its leaves fed to two micro-batches that each backpropagate, then one
+    prefix backward: the same parameter gradient as all rows in one pass."""
+    mask = batch.response_mask
+    params = [p for p in model.parameters() if p.requires_grad]
+    lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True)
+    expected = grads(model, scalar_loss(lp, ent, mask, seed=4))
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    prompts, index = unique_prompts(batch.prompt_ids)
+    model.zero_grad(set_to_none=True)
+    prefix = prefix_forward(model, prompts)
+    leaves = prefix.detached()
+    for rows in ([0, 3, 4], [1, 2, 5]):
+        sub = ResponseBatch([batch.prompt_ids[i] for i in rows], batch.response_ids[rows], mask[rows])
+        lp, ent = response_log_probs(
+            model, sub, with_entropy=True, prefix=leaves, prefix_index=[index[i] for i in rows]
+        )
+        m = mask[rows].double()
+        ((lp * weights[rows] * m).sum() + 0.3 * (ent * m).sum()).backward()
+    prefix.backward_from(leaves)
+    assert_grads_close([p.grad for p in params], expected, GRAD_RTOL)
+    model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])
