@@ -53,11 +53,16 @@ def describe_plan(cfg) -> list[str]:
     mini = cfg.actor.mini_batch_size or b
     mini_samples = mini * n
     accum = -(-mini_samples // cfg.actor.micro_batch_size)
+    micro = (
+        f"micro-batches: <= {cfg.actor.micro_batch_tokens} tokens each (dynamic), groups split when needed"
+        if cfg.actor.micro_batch_tokens
+        else f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch"
+    )
     lines = [
         f"batch: {b} prompts x {n} samples = {b * n} trajectories per step",
         f"update: {cfg.actor.ppo_epochs} epoch(s) x {b // mini} mini-batch(es) of {mini} prompts "
         f"({mini_samples} samples) = {cfg.actor.ppo_epochs * (b // mini)} optimizer steps per training step",
-        f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch",
+        micro,
         f"loss: {cfg.actor.policy_loss} (clip {1 - cfg.actor.clip_low:g}..{1 + cfg.actor.clip_high:g}, "
         f"{cfg.actor.loss_agg_mode}), advantages: {cfg.algorithm.adv_estimator}"
         f"{'' if cfg.algorithm.norm_adv_by_std else ' (no std normalisation)'}",

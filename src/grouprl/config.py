@@ -198,6 +198,8 @@ class ActorConfig:
     """Prompts per optimizer step (verl: ppo_mini_batch_size); 0 = the whole batch, one step."""
     micro_batch_size: int = 8
     """Samples per forward/backward (gradient accumulation inside a mini-batch)."""
+    micro_batch_tokens: int = 0
+    """Token budget per forward/backward instead of a sample count (dynamic batch size; 0 = off)."""
     kl_loss_coef: float = 0.0
     """KL-to-reference loss weight (verl: actor.kl_loss_coef); loads a reference when > 0."""
     kl_loss_type: str = "k3"
@@ -304,6 +306,7 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.ppo_epochs": "actor.ppo_epochs",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "actor.mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.micro_batch_tokens",
     "actor_rollout_ref.actor.kl_loss_coef": "actor.kl_loss_coef",
     "actor_rollout_ref.actor.kl_loss_type": "actor.kl_loss_type",
     "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coef",
@@ -563,6 +566,7 @@ def validate(cfg: Config) -> Config:
     )
     need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
+    need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")
     need(cfg.actor.logits_chunk_size >= 1, "config key 'actor.logits_chunk_size' must be >= 1")
     # counts and periods where 0 means "off" / "all": a negative value would silently misbehave
     # (a negative mini_batch_size divides any batch and then skips every update)

@@ -370,3 +370,39 @@ def test_entropy_and_kl_terms_change_the_gradient_as_built_by_hand(model, tensor
     no_ref.ref_log_probs = None
     steps, metrics = accumulated_grads(model, no_ref, actor_config(**{**base.__dict__, "kl_loss_coef": 0.4}))
     assert max_relative_difference(steps[0], plain) < 1e-12 and "actor/kl_loss" not in metrics
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+@pytest.mark.parametrize("micro_batch_tokens", [1, 12, 30, 10_000])
+def test_token_budget_micro_batches_accumulate_to_the_mini_batch_gradient(model, tensors, shared_prefix, micro_batch_tokens):
+    """Budgets from one row per micro-batch (groups split, prompt reused) to the whole batch at once."""
+    cfg = actor_config(
+        loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05, kl_loss_coef=0.2,
+        micro_batch_tokens=micro_batch_tokens, shared_prefix=shared_prefix,
+    )
+    expected = hand_built_grads(model, tensors, cfg)
+    steps, metrics = accumulated_grads(model, tensors, cfg)
+    assert len(steps) == 1
+    assert_grads_close(steps[0], expected, 1e-8)
+    with torch.no_grad():
+        assert metrics["actor/loss"] == pytest.approx(float(hand_built_loss(model, tensors, cfg)), rel=1e-9)
+
+
+def test_a_split_group_runs_its_prompt_once(model, tensors):
+    """micro_batch_size 3 cuts each group of 4 into 3 + 1 rows; the prompt still runs once per
+    group in the update's forward (and once in scoring), never once per micro-batch."""
+    fed = []
+    hook = model.get_decoder().embed_tokens.register_forward_pre_hook(lambda m, args: fed.append(args[0].tolist()))
+    try:
+        updater = PolicyUpdater(actor_config(micro_batch_size=3), temperature=TEMPERATURE, pad_token_id=0)
+        updater.score_all(model, tensors)
+        scored = list(fed)
+        fed.clear()
+        accumulated_grads(model, tensors, actor_config(micro_batch_size=3))
+    finally:
+        hook.remove()
+    prompts = sorted({tuple(p) for p in tensors.prompt_ids})
+    for calls in (scored, fed):
+        prefix_calls = sorted(tuple(ids[0]) for ids in calls if len(ids) == 1 and tuple(ids[0]) in prompts)
+        assert prefix_calls == prompts  # each prompt exactly once
+        assert sorted(len(ids) for ids in calls if not (len(ids) == 1 and tuple(ids[0]) in prompts)) == [1, 1, 3, 3]

@@ -18,7 +18,8 @@ import torch
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
-from grouprl.trainer.logprobs import ResponseBatch, response_log_probs
+from grouprl.trainer.logprobs import Prefix, ResponseBatch, prefix_forward, response_log_probs
+from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,11 @@ class PolicyUpdater:
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
 
-    def log_probs(self, model, tensors: StepTensors, index: list[int], *, with_entropy=False):
+    def log_probs(
+        self, model, tensors: StepTensors, index: list[int], *, with_entropy=False, prefix: Prefix | None = None,
+        unit: PrefixUnit | None = None,
+    ):
+        """Rows `index`; with `prefix` (the prompts of `unit`, already run) only the responses run."""
         return response_log_probs(
             model,
             tensors.rows(index),
@@ -102,6 +107,19 @@ class PolicyUpdater:
             with_entropy=with_entropy,
             chunk_size=self.cfg.logits_chunk_size,
             pad_token_id=self.pad_token_id,
+            prefix=prefix,
+            prefix_index=[unit.prompt_of_row[r] for r in index] if prefix is not None else None,
+        )
+
+    def plan(self, tensors: StepTensors, rows: list[int]) -> list[PrefixUnit]:
+        """Micro-batches of `rows` by row count or token budget (see micro_batches.py)."""
+        return plan_micro_batches(
+            rows,
+            tensors.prompt_ids,
+            tensors.response_mask.sum(-1).tolist(),
+            max_rows=self.cfg.micro_batch_size,
+            max_tokens=self.cfg.micro_batch_tokens,
+            shared_prefix=self.cfg.shared_prefix,
         )
 
     @torch.no_grad()
@@ -109,11 +127,13 @@ class PolicyUpdater:
         """Log-probs of every row without gradient (old or reference policy), [N, R], in the
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
         out = None
-        for index in split(list(range(len(tensors.prompt_ids))), self.cfg.micro_batch_size):
-            lp, _ = self.log_probs(model, tensors, index)
-            if out is None:
-                out = lp.new_zeros(tensors.loss_mask.shape)
-            out[index] = lp
+        for unit in self.plan(tensors, list(range(len(tensors.prompt_ids)))):
+            prefix = prefix_forward(model, unit.prompts, self.pad_token_id) if len(unit.micro_batches) > 1 else None
+            for index in unit.micro_batches:
+                lp, _ = self.log_probs(model, tensors, index, prefix=prefix, unit=unit)
+                if out is None:
+                    out = lp.new_zeros(tensors.loss_mask.shape)
+                out[index] = lp
         return out
 
     def needs_old_log_probs(self, num_prompts: int) -> bool:
@@ -140,14 +160,22 @@ class PolicyUpdater:
                 mini_mask = tensors.loss_mask[mini]
                 optimizer.zero_grad(set_to_none=True)
                 micro_metrics: dict[str, float] = defaultdict(float)
-                for micro in split(mini, cfg.micro_batch_size):
-                    weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
-                    token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
-                    loss, m = self._micro_loss(model, tensors, micro)
-                    if weight > 0:
-                        (loss * weight).backward()
-                    for k, v in m.items():
-                        micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
+                for unit in self.plan(tensors, mini):
+                    # a group split over several micro-batches runs its prompt once: the
+                    # micro-batches backpropagate into the prefix's leaves, then the prefix once
+                    prefix = prefix_forward(model, unit.prompts, self.pad_token_id) if len(unit.micro_batches) > 1 else None
+                    leaves = prefix.detached() if prefix is not None else None
+                    for micro in unit.micro_batches:
+                        weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
+                        token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
+                        loss, m = self._micro_loss(model, tensors, micro, leaves, unit)
+                        if weight > 0:
+                            (loss * weight).backward()
+                        for k, v in m.items():
+                            micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
+                    if prefix is not None:
+                        prefix.backward_from(leaves)
+                        del prefix, leaves
                 grad_norm = self._clip(params)
                 finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
                 if finite or not self.skip_nonfinite:
@@ -174,10 +202,10 @@ class PolicyUpdater:
         grads = [p.grad.norm() for p in params if p.grad is not None]
         return float(torch.stack(grads).norm()) if grads else 0.0
 
-    def _micro_loss(self, model, tensors: StepTensors, micro: list[int]):
+    def _micro_loss(self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None):
         cfg = self.cfg
         want_entropy = cfg.entropy_coef != 0
-        log_probs, entropy = self.log_probs(model, tensors, micro, with_entropy=True if want_entropy else False)
+        log_probs, entropy = self.log_probs(model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit)
         loss_mask = tensors.loss_mask[micro]
         old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()
         pg_loss, m = policy_loss(
