@@ -76,7 +76,7 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer location if it differs from `path`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype: auto = bfloat16 on CUDA, float32 on CPU."""
+    """Parameter (master weight) dtype: auto = float32; see actor.dtype for bf16 compute."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """Load the policy quantised with bitsandbytes (CUDA only; pair with LoRA)."""
     gradient_checkpointing: bool = False
@@ -208,6 +208,8 @@ class ActorConfig:
     """Entropy bonus weight (verl: actor.entropy_coeff)."""
     shared_prefix: bool = True
     """Run each group's shared prompt once in forward/backward and reuse its KV cache."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute precision: bfloat16 = autocast over float32 weights; auto = bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs)."""
     logits_chunk_size: int = 256
     """Response positions per chunk when computing log-probs (bounds the [tokens, vocab] tensor)."""
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -20,9 +20,14 @@ from grouprl.trainer.trainer import Trainer
 # reference's weights). The schedule after warm-up is constant, so a run of 2 steps extended
 # to 4 follows the same lrs as a run of 4.
 RESUME_SETTINGS = [
-    "trainer.total_steps=4", "trainer.save_freq=2", "actor.mini_batch_size=1", "actor.optim.warmup_steps=3",
-    "actor.kl_loss_coef=0.5", "algorithm.ref_refresh_steps=1",
-    "trainer.save_best=false", "trainer.save_final=false",
+    "trainer.total_steps=4",
+    "trainer.save_freq=2",
+    "actor.mini_batch_size=1",
+    "actor.optim.warmup_steps=3",
+    "actor.kl_loss_coef=0.5",
+    "algorithm.ref_refresh_steps=1",
+    "trainer.save_best=false",
+    "trainer.save_final=false",
 ]
 
 
@@ -153,7 +158,11 @@ def test_keep_last_and_latest(uninterrupted):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_4"]
     assert (root / "latest").read_text() == "step_4\n"
     for step in ("step_2", "step_4"):
-        assert sorted(p.name for p in (root / step).iterdir()) == ["model.safetensors", "ref_model.safetensors", "state.pt"]
+        assert sorted(p.name for p in (root / step).iterdir()) == [
+            "model.safetensors",
+            "ref_model.safetensors",
+            "state.pt",
+        ]
 
 
 def test_keep_last_prunes_older_checkpoints(tmp_path):
@@ -252,7 +261,9 @@ def test_resume_modes(uninterrupted, tmp_path, model_dir):
 
     step_2 = run_a / "checkpoints" / "step_2"
     chosen = Trainer(
-        config(tmp_path, model_dir, *same_run, "trainer.resume_mode=path", f"trainer.resume_from_path={step_2}")
+        config(
+            tmp_path, model_dir, *same_run, "trainer.resume_mode=path", f"trainer.resume_from_path={step_2}"
+        )
     )
     assert chosen.step == 2
     ckpt_2 = load_file(str(step_2 / "model.safetensors"))
@@ -260,5 +271,12 @@ def test_resume_modes(uninterrupted, tmp_path, model_dir):
     assert chosen.sampler.state_dict()["position"] == (2 * 2) % 8
 
     with pytest.raises(UserError, match="not a complete checkpoint folder"):
-        Trainer(config(tmp_path, model_dir, *same_run, "trainer.resume_mode=path",
-                       f"trainer.resume_from_path={tmp_path}"))
+        Trainer(
+            config(
+                tmp_path,
+                model_dir,
+                *same_run,
+                "trainer.resume_mode=path",
+                f"trainer.resume_from_path={tmp_path}",
+            )
+        )

@@ -114,7 +114,9 @@ def test_shared_prefix_equals_full_sequence_values_and_gradients(model, batch):
 def test_temperature_divides_logits(model, batch, shared_prefix):
     ref_lp, ref_ent = reference(model, batch, temperature=0.7)
     with torch.no_grad():
-        lp, ent = response_log_probs(model, batch, shared_prefix=shared_prefix, temperature=0.7, with_entropy=True)
+        lp, ent = response_log_probs(
+            model, batch, shared_prefix=shared_prefix, temperature=0.7, with_entropy=True
+        )
         plain, _ = response_log_probs(model, batch, shared_prefix=shared_prefix)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=ATOL)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=ATOL)
@@ -125,7 +127,9 @@ def test_chunk_sizes_agree(model, batch):
     mask = batch.response_mask
     results = []
     for chunk_size in (1, 3, 1000):
-        lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, chunk_size=chunk_size)
+        lp, ent = response_log_probs(
+            model, batch, shared_prefix=True, with_entropy=True, chunk_size=chunk_size
+        )
         results.append((lp.detach(), ent.detach(), grads(model, scalar_loss(lp, ent, mask, seed=2))))
     for lp, ent, g in results[1:]:
         torch.testing.assert_close(lp, results[0][0], rtol=0, atol=1e-12)

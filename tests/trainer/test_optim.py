@@ -84,7 +84,12 @@ def test_build_optimizer_takes_the_config():
     optimizer = build_optimizer([param], cfg)
     assert isinstance(optimizer, torch.optim.AdamW)
     group = optimizer.param_groups[0]
-    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 1e-6, 0.1)
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        3e-4,
+        (0.8, 0.95),
+        1e-6,
+        0.1,
+    )
     # one AdamW step with a zero gradient moves the weight only by decoupled weight decay
     param.grad = torch.zeros(2)
     optimizer.step()

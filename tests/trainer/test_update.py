@@ -72,7 +72,9 @@ class GradRecorder:
             p.grad = None
 
     def step(self):
-        self.steps.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        self.steps.append(
+            [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        )
 
 
 class CountingScheduler:
@@ -118,7 +120,9 @@ def accumulated_grads(model, tensors, cfg, num_prompts=2):
 def hand_built_loss(model, tensors, cfg, rows=None):
     rows = list(range(len(tensors.prompt_ids))) if rows is None else rows
     batch = tensors.rows(rows)
-    lp, ent = reference_log_probs(model, batch.prompt_ids, batch.response_ids, batch.response_mask, TEMPERATURE)
+    lp, ent = reference_log_probs(
+        model, batch.prompt_ids, batch.response_ids, batch.response_mask, TEMPERATURE
+    )
     mask = tensors.loss_mask[rows].double()
     old = tensors.old_log_probs[rows].double() if tensors.old_log_probs is not None else lp.detach()
     loss, _ = policy_loss(
@@ -164,22 +168,30 @@ def model():
 def tensors(model):
     """Step tensors with old log-probs 0.3-ish away from the current ones (clipping acts) and a
     reference policy further away (the KL term has a gradient)."""
-    tensors = build_step_tensors(make_trajectories(model.config.vocab_size), "cpu", mask_truncated=True, pad_token_id=0)
+    tensors = build_step_tensors(
+        make_trajectories(model.config.vocab_size), "cpu", mask_truncated=True, pad_token_id=0
+    )
     with torch.no_grad():
         lp, _ = reference_log_probs(
             model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE
         )
     gen = torch.Generator().manual_seed(11)
     real = tensors.response_mask.bool()
-    tensors.old_log_probs = torch.where(real, lp + 0.3 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0).float()
-    tensors.ref_log_probs = torch.where(real, lp + 0.5 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0).float()
+    tensors.old_log_probs = torch.where(
+        real, lp + 0.3 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
+    ).float()
+    tensors.ref_log_probs = torch.where(
+        real, lp + 0.5 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
+    ).float()
     return tensors
 
 
 def test_build_step_tensors():
     trajectories = make_trajectories(50)
     trajectories.append(
-        Trajectory(sample=trajectories[0].sample, index=9, prompt_ids=[3, 4], finish_reason="length", advantage=0.5)
+        Trajectory(
+            sample=trajectories[0].sample, index=9, prompt_ids=[3, 4], finish_reason="length", advantage=0.5
+        )
     )  # an empty response
     for mask_truncated in (True, False):
         t = build_step_tensors(trajectories, "cpu", mask_truncated=mask_truncated, pad_token_id=7)
@@ -204,7 +216,9 @@ def test_micro_batches_accumulate_to_the_mini_batch_gradient(model, tensors, mod
     expected = hand_built_grads(model, tensors, cfg)
     results = {}
     for micro in (1, 3, N_ROWS):
-        steps, metrics = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}))
+        steps, metrics = accumulated_grads(
+            model, tensors, actor_config(**{**cfg.__dict__, "micro_batch_size": micro})
+        )
         assert len(steps) == 1 and metrics["actor/skipped_steps"] == 0
         assert_grads_close(steps[0], expected, 1e-8)
         results[micro] = (steps[0], metrics)
@@ -219,7 +233,9 @@ def test_micro_batches_accumulate_to_the_mini_batch_gradient(model, tensors, mod
     assert results[1][1]["actor/grad_norm"] == pytest.approx(results[N_ROWS][1]["actor/grad_norm"], rel=1e-10)
     # and they are the mini-batch's: the loss value matches the hand-built one
     with torch.no_grad():
-        assert results[N_ROWS][1]["actor/loss"] == pytest.approx(float(hand_built_loss(model, tensors, cfg)), rel=1e-9, abs=1e-12)
+        assert results[N_ROWS][1]["actor/loss"] == pytest.approx(
+            float(hand_built_loss(model, tensors, cfg)), rel=1e-9, abs=1e-12
+        )
 
 
 def test_clipping_is_active_so_the_comparison_means_something(model, tensors):
@@ -354,15 +370,21 @@ def test_entropy_and_kl_terms_change_the_gradient_as_built_by_hand(model, tensor
     base = actor_config(loss_agg_mode="seq-mean-token-mean")
     plain = accumulated_grads(model, tensors, base)[0][0]
     mask = tensors.loss_mask.double()
-    lp, ent = reference_log_probs(model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE)
-    entropy_grad = torch.autograd.grad(aggregate_loss(ent, mask, base.loss_agg_mode), params, retain_graph=True)
+    lp, ent = reference_log_probs(
+        model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE
+    )
+    entropy_grad = torch.autograd.grad(
+        aggregate_loss(ent, mask, base.loss_agg_mode), params, retain_graph=True
+    )
     for kl_type in ("k3", "k1", "k2"):
         kl = kl_estimate(lp, tensors.ref_log_probs.double(), kl_type)
         kl_grad = torch.autograd.grad(aggregate_loss(kl, mask, base.loss_agg_mode), params, retain_graph=True)
         cfg = actor_config(**{**base.__dict__, "kl_loss_coef": 0.4, "kl_loss_type": kl_type})
         with_kl = accumulated_grads(model, tensors, cfg)[0][0]
         assert_grads_close([a - b for a, b in zip(with_kl, plain)], [0.4 * g for g in kl_grad], 1e-8)
-    with_entropy = accumulated_grads(model, tensors, actor_config(**{**base.__dict__, "entropy_coef": 0.3}))[0][0]
+    with_entropy = accumulated_grads(model, tensors, actor_config(**{**base.__dict__, "entropy_coef": 0.3}))[
+        0
+    ][0]
     # a bonus: the loss goes down as the entropy goes up
     assert_grads_close([a - b for a, b in zip(with_entropy, plain)], [-0.3 * g for g in entropy_grad], 1e-8)
     # no reference log-probs: no KL term, whatever the coefficient
@@ -374,11 +396,16 @@ def test_entropy_and_kl_terms_change_the_gradient_as_built_by_hand(model, tensor
 
 @pytest.mark.parametrize("shared_prefix", [True, False])
 @pytest.mark.parametrize("micro_batch_tokens", [1, 12, 30, 10_000])
-def test_token_budget_micro_batches_accumulate_to_the_mini_batch_gradient(model, tensors, shared_prefix, micro_batch_tokens):
+def test_token_budget_micro_batches_accumulate_to_the_mini_batch_gradient(
+    model, tensors, shared_prefix, micro_batch_tokens
+):
     """Budgets from one row per micro-batch (groups split, prompt reused) to the whole batch at once."""
     cfg = actor_config(
-        loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05, kl_loss_coef=0.2,
-        micro_batch_tokens=micro_batch_tokens, shared_prefix=shared_prefix,
+        loss_agg_mode="seq-mean-token-mean",
+        entropy_coef=0.05,
+        kl_loss_coef=0.2,
+        micro_batch_tokens=micro_batch_tokens,
+        shared_prefix=shared_prefix,
     )
     expected = hand_built_grads(model, tensors, cfg)
     steps, metrics = accumulated_grads(model, tensors, cfg)
@@ -392,7 +419,9 @@ def test_a_split_group_runs_its_prompt_once(model, tensors):
     """micro_batch_size 3 cuts each group of 4 into 3 + 1 rows; the prompt still runs once per
     group in the update's forward (and once in scoring), never once per micro-batch."""
     fed = []
-    hook = model.get_decoder().embed_tokens.register_forward_pre_hook(lambda m, args: fed.append(args[0].tolist()))
+    hook = model.get_decoder().embed_tokens.register_forward_pre_hook(
+        lambda m, args: fed.append(args[0].tolist())
+    )
     try:
         updater = PolicyUpdater(actor_config(micro_batch_size=3), temperature=TEMPERATURE, pad_token_id=0)
         updater.score_all(model, tensors)
@@ -405,4 +434,34 @@ def test_a_split_group_runs_its_prompt_once(model, tensors):
     for calls in (scored, fed):
         prefix_calls = sorted(tuple(ids[0]) for ids in calls if len(ids) == 1 and tuple(ids[0]) in prompts)
         assert prefix_calls == prompts  # each prompt exactly once
-        assert sorted(len(ids) for ids in calls if not (len(ids) == 1 and tuple(ids[0]) in prompts)) == [1, 1, 3, 3]
+        assert sorted(len(ids) for ids in calls if not (len(ids) == 1 and tuple(ids[0]) in prompts)) == [
+            1,
+            1,
+            3,
+            3,
+        ]
+
+
+def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32():
+    """Mixed precision: forward in bf16 (the LM head's logits upcast), gradients land on the
+    float32 master weights, and the numbers stay within bf16's precision of the float32 ones."""
+    model, _ = tiny_model_and_tokenizer(dtype=torch.float32, seed=5)
+    tensors = build_step_tensors(make_trajectories(model.config.vocab_size), "cpu", mask_truncated=True, pad_token_id=0)
+    cfg = actor_config(loss_agg_mode="seq-mean-token-mean")
+    results = {}
+    for compute_dtype in (None, torch.bfloat16):
+        updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0, compute_dtype=compute_dtype)
+        with torch.no_grad():
+            lp = updater.score_all(model, tensors)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = GradRecorder(params)
+        updater.update(model, optimizer, CountingScheduler(), tensors, 2, params)
+        results[compute_dtype] = (lp, optimizer.steps[0])
+    lp32, g32 = results[None]
+    lp16, g16 = results[torch.bfloat16]
+    assert lp16.dtype == torch.float32 and all(g.dtype == torch.float32 for g in g16)
+    real = tensors.response_mask.bool()
+    difference = (lp16 - lp32)[real].abs().max()
+    assert 0 < difference < 0.05  # bf16 really ran, and within its ~3 significant digits
+    cosine = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in g16]), torch.cat([g.flatten() for g in g32]), dim=0)
+    assert cosine > 0.99

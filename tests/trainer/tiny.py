@@ -30,7 +30,10 @@ def write_dataset(path: Path, n: int = 8, *, prefix: str = "q") -> Path:
     with path.open("w") as f:
         for i in range(n):
             a, b = i % 5, (i * 3) % 7
-            f.write(json.dumps({"id": f"{prefix}{i}", "question": f"what is {a}+{b}?", "answer": str(a + b)}) + "\n")
+            f.write(
+                json.dumps({"id": f"{prefix}{i}", "question": f"what is {a}+{b}?", "answer": str(a + b)})
+                + "\n"
+            )
     return path
 
 
@@ -47,7 +50,9 @@ A_FRACTION = "response.count('a') / max(len(response), 1)"
 LOWER_FRACTION = "sum(c.islower() for c in response) / max(len(response), 1)"
 
 
-def write_run_config(root: Path, model_dir: Path, *, reward: str = A_FRACTION, **sections: dict[str, Any]) -> Path:
+def write_run_config(
+    root: Path, model_dir: Path, *, reward: str = A_FRACTION, **sections: dict[str, Any]
+) -> Path:
     """A YAML config for a short CPU run on the tiny model (reward component "a" computes the
     expression `reward`); `sections` update the tree per section."""
     root = Path(root)
@@ -55,15 +60,31 @@ def write_run_config(root: Path, model_dir: Path, *, reward: str = A_FRACTION, *
     val = write_dataset(root / "val.jsonl", 4, prefix="v")
     reward = write_reward(root / "reward_a.py", reward, "score")
     tree: dict[str, dict[str, Any]] = {
-        "data": {"train_files": [str(data)], "val_files": [str(val)], "train_batch_size": 2, "max_prompt_length": 64},
+        "data": {
+            "train_files": [str(data)],
+            "val_files": [str(val)],
+            "train_batch_size": 2,
+            "max_prompt_length": 64,
+        },
         "model": {"path": str(model_dir)},
         "rollout": {"n_agent": 4, "max_response_length": 6, "temperature": 1.0},
         "reward": {"components": [{"name": "a", "function": reward}], "val_metric": "a"},
         "algorithm": {"adv_estimator": "grpo"},
-        "actor": {"policy_loss": "ppo", "clip_low": 0.2, "clip_high": 0.2, "micro_batch_size": 4,
-                  "optim": {"lr": 1e-2}},
-        "trainer": {"total_steps": 3, "device": "cpu", "output_dir": str(root / "runs"), "experiment_name": "run",
-                    "loggers": ["jsonl"], "seed": 0},
+        "actor": {
+            "policy_loss": "ppo",
+            "clip_low": 0.2,
+            "clip_high": 0.2,
+            "micro_batch_size": 4,
+            "optim": {"lr": 1e-2},
+        },
+        "trainer": {
+            "total_steps": 3,
+            "device": "cpu",
+            "output_dir": str(root / "runs"),
+            "experiment_name": "run",
+            "loggers": ["jsonl"],
+            "seed": 0,
+        },
     }
     for section, values in sections.items():
         tree.setdefault(section, {}).update(values)

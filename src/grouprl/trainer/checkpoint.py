@@ -32,7 +32,9 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
     params = dict(model.named_parameters())
     missing = [n for n in state if n not in params]
     if missing:
-        raise UserError(f"checkpoint does not match the model: {len(missing)} unknown tensors, e.g. {missing[0]}")
+        raise UserError(
+            f"checkpoint does not match the model: {len(missing)} unknown tensors, e.g. {missing[0]}"
+        )
     with torch.no_grad():
         for name, value in state.items():
             params[name].copy_(value.to(params[name].device, params[name].dtype))
@@ -60,7 +62,9 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
 
-    def save(self, step: int, model, optimizer, scheduler, trainer_state: dict[str, Any], ref_model=None) -> Path:
+    def save(
+        self, step: int, model, optimizer, scheduler, trainer_state: dict[str, Any], ref_model=None
+    ) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=self.root))
@@ -72,7 +76,11 @@ class CheckpointManager:
                     str(tmp / "ref_model.safetensors"),
                 )
             torch.save(
-                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "trainer": trainer_state},
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "trainer": trainer_state,
+                },
                 tmp / "state.pt",
             )
             if final.exists():

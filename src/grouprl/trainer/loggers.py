@@ -104,8 +104,16 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-def make_loggers(names: list[str], run_dir: Path, *, total_steps: int, start_step: int, project: str,
-                 experiment: str, config: dict) -> list[Logger]:
+def make_loggers(
+    names: list[str],
+    run_dir: Path,
+    *,
+    total_steps: int,
+    start_step: int,
+    project: str,
+    experiment: str,
+    config: dict,
+) -> list[Logger]:
     loggers: list[Logger] = []
     for name in names:
         try:

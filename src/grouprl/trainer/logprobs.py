@@ -97,7 +97,9 @@ class Prefix:
     def detached(self) -> Prefix:
         """Leaves that gather the gradient of several micro-batches before one prefix backward."""
         leaf = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
-        return Prefix([leaf(k) for k in self.keys], [leaf(v) for v in self.values], leaf(self.last_hidden), self.mask)
+        return Prefix(
+            [leaf(k) for k in self.keys], [leaf(v) for v in self.values], leaf(self.last_hidden), self.mask
+        )
 
     def backward_from(self, leaves: Prefix) -> None:
         """Backpropagate the gradient accumulated on `leaves` through the prefix pass (once)."""
@@ -168,7 +170,11 @@ def prefix_forward(model, prompts: list[list[int]], pad_token_id: int = 0) -> Pr
     cache = _cache_of([_RecordLayer() for _ in range(_num_layers(decoder))])
     with _cache_under_checkpointing(decoder):
         hidden = decoder(
-            input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_pos, past_key_values=cache, use_cache=True
+            input_ids=prefix_ids,
+            attention_mask=prefix_mask,
+            position_ids=prefix_pos,
+            past_key_values=cache,
+            use_cache=True,
         ).last_hidden_state  # [U, L, H]
     return Prefix(
         keys=[layer.keys for layer in cache.layers],
@@ -200,7 +206,9 @@ def response_log_probs(
         hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, prefix_index, batch)
     elif shared_prefix:
         prompts, index = unique_prompts(batch.prompt_ids)
-        hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix_forward(model, prompts, pad_token_id), index, batch)
+        hidden_at, targets, mask = _hidden_on_prefix(
+            decoder, prefix_forward(model, prompts, pad_token_id), index, batch
+        )
     else:
         hidden_at, targets, mask = _full_sequence_hidden(decoder, batch, pad_token_id)
     lp, ent = chunked_token_stats(
@@ -238,7 +246,10 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
     n, r = batch.response_ids.shape
     index = torch.tensor(prefix_index, device=device)  # [N]
     cache = _cache_of(
-        [_ReadOnlyLayer(k.index_select(0, index), v.index_select(0, index)) for k, v in zip(prefix.keys, prefix.values)]
+        [
+            _ReadOnlyLayer(k.index_select(0, index), v.index_select(0, index))
+            for k, v in zip(prefix.keys, prefix.values)
+        ]
     )
     row_prefix_mask = prefix.mask.index_select(0, index)  # [N, L]
     attn = torch.cat([row_prefix_mask, batch.response_mask.long()], dim=-1)  # [N, L + R]
@@ -246,7 +257,11 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
     resp_pos = start[:, None] + torch.arange(r, device=device)[None, :]
     with _cache_under_checkpointing(decoder):
         resp_hidden = decoder(
-            input_ids=batch.response_ids, attention_mask=attn, position_ids=resp_pos, past_key_values=cache, use_cache=True
+            input_ids=batch.response_ids,
+            attention_mask=attn,
+            position_ids=resp_pos,
+            past_key_values=cache,
+            use_cache=True,
         ).last_hidden_state  # [N, R, H]
     # token 0 is predicted by the prefix's last position, token t > 0 by response position t - 1
     first = prefix.last_hidden.index_select(0, index).unsqueeze(1)  # [N, 1, H]

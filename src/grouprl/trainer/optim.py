@@ -10,7 +10,9 @@ from grouprl.config import OptimConfig
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

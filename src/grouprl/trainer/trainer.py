@@ -31,8 +31,10 @@ from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_sta
 from grouprl.trainer.export import export_model
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.models import (
+    autocast,
     load_causal_lm,
     load_tokenizer,
+    resolve_compute_dtype,
     resolve_device,
     resolve_dtype,
     resolve_model_path,
@@ -57,7 +59,11 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
         val = load_samples(d.val_files) if d.val_files else []
     else:
         train = make_task(d.task, d.task_train_size, d.task_seed, "train", few_shot=d.few_shot)
-        val = make_task(d.task, d.task_val_size, d.task_seed, "val", few_shot=d.few_shot) if d.task_val_size else []
+        val = (
+            make_task(d.task, d.task_val_size, d.task_seed, "val", few_shot=d.few_shot)
+            if d.task_val_size
+            else []
+        )
     if d.val_max_samples:
         val = val[: d.val_max_samples]
     if d.system_prompt is not None:
@@ -103,6 +109,7 @@ class Trainer:
 
         self.device = resolve_device(cfg.trainer.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.compute_dtype = resolve_compute_dtype(cfg.actor.dtype, self.device, self.dtype)
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model, model_path)
         self.model = load_causal_lm(cfg.model, model_path, self.device, self.dtype)
@@ -133,6 +140,7 @@ class Trainer:
             temperature=cfg.rollout.temperature,
             pad_token_id=self.engine.pad_token_id,
             skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
+            compute_dtype=self.compute_dtype,
         )
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
@@ -164,7 +172,13 @@ class Trainer:
                 "raise it or set data.prompt_overflow=truncate"
             )
         if skipped or truncated:
-            log.warning("%s prompts over %d tokens: %d skipped, %d truncated", what, d.max_prompt_length, skipped, truncated)
+            log.warning(
+                "%s prompts over %d tokens: %d skipped, %d truncated",
+                what,
+                d.max_prompt_length,
+                skipped,
+                truncated,
+            )
         return prompts, {"data/prompts_skipped": skipped, "data/prompts_truncated": truncated}
 
     def _make_reference(self):
@@ -221,7 +235,9 @@ class Trainer:
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
         ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
         state = trainer_state or self._trainer_state()
-        return self.checkpoints.save(state["step"], self.model, self.optimizer, self.scheduler, state, ref_model=ref)
+        return self.checkpoints.save(
+            state["step"], self.model, self.optimizer, self.scheduler, state, ref_model=ref
+        )
 
     # ------------------------------------------------------------------ rollout
     def sampling_params(self, evaluation: bool = False) -> SamplingParams:
@@ -234,10 +250,13 @@ class Trainer:
             stop=list(r.stop),
         )
 
-    def rollout(self, samples: list[Sample], prompts: list[list[int]], n: int, evaluation=False) -> list[Trajectory]:
+    def rollout(
+        self, samples: list[Sample], prompts: list[list[int]], n: int, evaluation=False
+    ) -> list[Trajectory]:
         # evaluation draws from its own stream, so evaluating does not change what training samples
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 1) if evaluation else self.generator
-        generations = self.engine.generate(prompts, n, self.sampling_params(evaluation), generator)
+        with autocast(self.device, self.compute_dtype):
+            generations = self.engine.generate(prompts, n, self.sampling_params(evaluation), generator)
         trajectories = []
         for k, gen in enumerate(generations):
             i, j = divmod(k, n)
@@ -278,7 +297,10 @@ class Trainer:
         t_reward = time.perf_counter()
 
         tensors = build_step_tensors(
-            trajectories, self.device, mask_truncated=c.rollout.mask_truncated, pad_token_id=self.engine.pad_token_id
+            trajectories,
+            self.device,
+            mask_truncated=c.rollout.mask_truncated,
+            pad_token_id=self.engine.pad_token_id,
         )
         need_ref = self.ref_model is not None
         if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0:
@@ -305,11 +327,19 @@ class Trainer:
         t_prep = time.perf_counter()
 
         self._updating = True
-        metrics.update(self.updater.update(self.model, self.optimizer, self.scheduler, tensors, len(samples), self.params))
+        metrics.update(
+            self.updater.update(
+                self.model, self.optimizer, self.scheduler, tensors, len(samples), self.params
+            )
+        )
         t_update = time.perf_counter()
         self.step += 1
         self._updating = False
-        if c.algorithm.ref_refresh_steps and self.step % c.algorithm.ref_refresh_steps == 0 and self.ref_model is not None:
+        if (
+            c.algorithm.ref_refresh_steps
+            and self.step % c.algorithm.ref_refresh_steps == 0
+            and self.ref_model is not None
+        ):
             self.ref_model.load_state_dict(self.model.state_dict())
 
         grouped = rewards.view(-1, n)
@@ -378,8 +408,13 @@ class Trainer:
             return
         if val["val/accuracy"] > self.best_metric:
             self.best_metric = val["val/accuracy"]
-            export_model(self.model, self.tokenizer, self.run_dir / "best", merge_lora=False,
-                         meta={"step": self.step, **val})
+            export_model(
+                self.model,
+                self.tokenizer,
+                self.run_dir / "best",
+                merge_lora=False,
+                meta={"step": self.step, **val},
+            )
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -392,12 +427,19 @@ class Trainer:
             drop_lines_after(self.run_dir / name, keep_until)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         loggers = make_loggers(
-            c.loggers, self.run_dir, total_steps=self.total_steps, start_step=self.step,
-            project=c.project_name, experiment=c.experiment_name, config=to_dict(self.cfg),
+            c.loggers,
+            self.run_dir,
+            total_steps=self.total_steps,
+            start_step=self.step,
+            project=c.project_name,
+            experiment=c.experiment_name,
+            config=to_dict(self.cfg),
         )
         console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
         say = console.print if console else print
-        rollouts = RolloutWriter(self.run_dir / "rollouts.jsonl", c.experiment_name) if c.log_rollouts else None
+        rollouts = (
+            RolloutWriter(self.run_dir / "rollouts.jsonl", c.experiment_name) if c.log_rollouts else None
+        )
         prompt_text = {}
         started = time.perf_counter()
         try:
@@ -416,7 +458,12 @@ class Trainer:
                     for t in trajectories:
                         prompt_text.setdefault(t.uid, t.sample.messages[-1].get("content", ""))
                     rollouts.write(self.step, trajectories, prompt_text)
-                if c.test_freq and self.step % c.test_freq == 0 and self.step < self.total_steps and self.val_samples:
+                if (
+                    c.test_freq
+                    and self.step % c.test_freq == 0
+                    and self.step < self.total_steps
+                    and self.val_samples
+                ):
                     val = self.evaluate()
                     metrics.update(val)
                     self._maybe_save_best(val)
@@ -431,8 +478,13 @@ class Trainer:
                 self._maybe_save_best(val)
             self.save_checkpoint()
             if c.save_final:
-                export_model(self.model, self.tokenizer, self.run_dir / "final", merge_lora=True,
-                             meta={"step": self.step})
+                export_model(
+                    self.model,
+                    self.tokenizer,
+                    self.run_dir / "final",
+                    merge_lora=True,
+                    meta={"step": self.step},
+                )
         except KeyboardInterrupt:
             # Interrupted while generating or scoring, the weights are those of the last finished
             # step: save them with the state from before this step, so nothing finished is lost
@@ -470,8 +522,15 @@ class Trainer:
             line = f"eval accuracy: final {final:.2f} after {self.step} steps (no baseline evaluation)"
         else:
             line = f"trained {self.step} steps (no held-out split to evaluate)"
-        return {"line": line, "steps": self.step, "baseline": base, "final": final, "history": self.history,
-                "counters": self.counters, "run_dir": str(self.run_dir)}
+        return {
+            "line": line,
+            "steps": self.step,
+            "baseline": base,
+            "final": final,
+            "history": self.history,
+            "counters": self.counters,
+            "run_dir": str(self.run_dir),
+        }
 
 
 def _fmt(metrics: dict[str, float]) -> str:

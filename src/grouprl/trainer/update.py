@@ -8,6 +8,7 @@ of micro-batch means), so gradient accumulation does not change the objective.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import defaultdict
@@ -43,7 +44,9 @@ class StepTensors:
         )
 
 
-def build_step_tensors(trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int) -> StepTensors:
+def build_step_tensors(
+    trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int
+) -> StepTensors:
     n = len(trajectories)
     width = max(1, max(len(t.response_ids) for t in trajectories))
     response_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -88,28 +91,54 @@ def split(indices: list[int], size: int) -> list[list[int]]:
 class PolicyUpdater:
     """Owns nothing but the arithmetic of one update; the trainer owns model and optimizer."""
 
-    def __init__(self, cfg: ActorConfig, *, temperature: float, pad_token_id: int, skip_nonfinite: bool = True):
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        *,
+        temperature: float,
+        pad_token_id: int,
+        skip_nonfinite: bool = True,
+        compute_dtype: torch.dtype | None = None,
+    ):
         self.cfg = cfg
+        self.compute_dtype = compute_dtype  # autocast dtype of forward passes (None = parameter dtype)
         self.skip_nonfinite = skip_nonfinite
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
 
     def log_probs(
-        self, model, tensors: StepTensors, index: list[int], *, with_entropy=False, prefix: Prefix | None = None,
+        self,
+        model,
+        tensors: StepTensors,
+        index: list[int],
+        *,
+        with_entropy=False,
+        prefix: Prefix | None = None,
         unit: PrefixUnit | None = None,
     ):
         """Rows `index`; with `prefix` (the prompts of `unit`, already run) only the responses run."""
-        return response_log_probs(
-            model,
-            tensors.rows(index),
-            shared_prefix=self.cfg.shared_prefix,
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-            chunk_size=self.cfg.logits_chunk_size,
-            pad_token_id=self.pad_token_id,
-            prefix=prefix,
-            prefix_index=[unit.prompt_of_row[r] for r in index] if prefix is not None else None,
-        )
+        with self._autocast(model):
+            return response_log_probs(
+                model,
+                tensors.rows(index),
+                shared_prefix=self.cfg.shared_prefix,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                chunk_size=self.cfg.logits_chunk_size,
+                pad_token_id=self.pad_token_id,
+                prefix=prefix,
+                prefix_index=[unit.prompt_of_row[r] for r in index] if prefix is not None else None,
+            )
+
+    def _autocast(self, model):
+        """Mixed precision for forward passes only; backward runs outside, as autocast advises."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=next(model.parameters()).device.type, dtype=self.compute_dtype)
+
+    def _prefix(self, model, unit: PrefixUnit) -> Prefix:
+        with self._autocast(model):
+            return prefix_forward(model, unit.prompts, self.pad_token_id)
 
     def plan(self, tensors: StepTensors, rows: list[int]) -> list[PrefixUnit]:
         """Micro-batches of `rows` by row count or token budget (see micro_batches.py)."""
@@ -128,7 +157,7 @@ class PolicyUpdater:
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
         out = None
         for unit in self.plan(tensors, list(range(len(tensors.prompt_ids)))):
-            prefix = prefix_forward(model, unit.prompts, self.pad_token_id) if len(unit.micro_batches) > 1 else None
+            prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
             for index in unit.micro_batches:
                 lp, _ = self.log_probs(model, tensors, index, prefix=prefix, unit=unit)
                 if out is None:
@@ -142,7 +171,9 @@ class PolicyUpdater:
         mini = self.cfg.mini_batch_size or num_prompts
         return self.cfg.ppo_epochs > 1 or mini < num_prompts
 
-    def update(self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params) -> dict[str, float]:
+    def update(
+        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
+    ) -> dict[str, float]:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
         if cfg.mini_batch_size and cfg.mini_batch_size < num_prompts:
@@ -163,7 +194,7 @@ class PolicyUpdater:
                 for unit in self.plan(tensors, mini):
                     # a group split over several micro-batches runs its prompt once: the
                     # micro-batches backpropagate into the prefix's leaves, then the prefix once
-                    prefix = prefix_forward(model, unit.prompts, self.pad_token_id) if len(unit.micro_batches) > 1 else None
+                    prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
                     leaves = prefix.detached() if prefix is not None else None
                     for micro in unit.micro_batches:
                         weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
@@ -205,7 +236,9 @@ class PolicyUpdater:
     def _micro_loss(self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None):
         cfg = self.cfg
         want_entropy = cfg.entropy_coef != 0
-        log_probs, entropy = self.log_probs(model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit)
+        log_probs, entropy = self.log_probs(
+            model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit
+        )
         loss_mask = tensors.loss_mask[micro]
         old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()
         pg_loss, m = policy_loss(
@@ -226,7 +259,11 @@ class PolicyUpdater:
             loss = loss - cfg.entropy_coef * ent
             metrics["actor/entropy"] = float(ent.detach())
         if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
-            kl = aggregate_loss(kl_estimate(log_probs, tensors.ref_log_probs[micro], cfg.kl_loss_type), loss_mask, cfg.loss_agg_mode)
+            kl = aggregate_loss(
+                kl_estimate(log_probs, tensors.ref_log_probs[micro], cfg.kl_loss_type),
+                loss_mask,
+                cfg.loss_agg_mode,
+            )
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = float(kl.detach())
         metrics["actor/loss"] = float(loss.detach())
