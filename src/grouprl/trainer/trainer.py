@@ -22,6 +22,8 @@ import yaml
 
 from grouprl.algorithms import compute_advantages, kl_estimate
 from grouprl.config import Config, to_dict
+from grouprl.curriculum.filtering import prompts_to_draw, select_groups
+from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
@@ -75,6 +77,19 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     return train, val
 
 
+def reward_summary(trajectories: list[Trajectory]) -> dict[str, float]:
+    """reward/<component>, reward/mean, reward/std (population) over `trajectories`."""
+    if not trajectories:
+        return {}
+    out = {
+        f"reward/{name}": float(np.mean([t.rewards[name] for t in trajectories]))
+        for name in trajectories[0].rewards
+    }
+    rewards = np.array([t.reward for t in trajectories])
+    out["reward/mean"], out["reward/std"] = float(rewards.mean()), float(rewards.std())
+    return out
+
+
 def drop_lines_after(path: Path, step: int) -> None:
     """Keep only the jsonl records of steps <= `step` (atomic rewrite; a torn last line goes too)."""
     if not path.is_file():
@@ -117,9 +132,14 @@ class Trainer:
 
         self.train_prompts, self.prompt_stats = self._encode(self.train_samples, "training")
         self.val_prompts, _ = self._encode(self.val_samples, "held-out")
-        self.sampler = PromptSampler(
-            len(self.train_samples), cfg.data.train_batch_size, cfg.data.sampler, cfg.trainer.seed
-        )
+        if cfg.data.sampler == "curriculum":  # draws by difficulty bucket, learns from each group
+            self.sampler = OnlineCurriculum.from_samples(
+                self.train_samples, cfg.data.train_batch_size, cfg.curriculum, cfg.trainer.seed
+            )
+        else:
+            self.sampler = PromptSampler(
+                len(self.train_samples), cfg.data.train_batch_size, cfg.data.sampler, cfg.trainer.seed
+            )
         self.total_steps = cfg.trainer.total_steps or self.sampler.steps_for_epochs(cfg.trainer.total_epochs)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -273,14 +293,78 @@ class Trainer:
             )
         return trajectories
 
-    def _next_prompts(self) -> tuple[list[Sample], list[list[int]]]:
+    def _next_prompts(self, extra: int = 0) -> tuple[list[Sample], list[list[int]]]:
+        """The step's prompts, or `extra` more of them (dynamic filtering) from the curriculum."""
+        want = extra or self.cfg.data.train_batch_size
         samples, prompts = [], []
-        while len(samples) < self.cfg.data.train_batch_size:  # skipped (over-long) prompts are redrawn
-            for i in self.sampler.next_batch():
-                if self.train_prompts[i] is not None and len(samples) < self.cfg.data.train_batch_size:
+        first = not extra
+        while len(samples) < want:  # skipped (over-long) prompts are redrawn
+            if first:
+                drawn, first = self.sampler.next_batch(), False
+            else:  # a refill is part of the same step: the curriculum's draw() does not count a step
+                drawn = (
+                    self.sampler.draw(want - len(samples))
+                    if hasattr(self.sampler, "draw")
+                    else self.sampler.next_batch()
+                )
+            for i in drawn:
+                if self.train_prompts[i] is not None and len(samples) < want:
                     samples.append(self.train_samples[i])
                     prompts.append(self.train_prompts[i])
         return samples, prompts
+
+    def _rollout_and_score(self) -> tuple[list[Sample], list[list[int]], list[Trajectory], dict[str, float]]:
+        """Generate and score the step's groups. With curriculum.dynamic_filter, over-sample prompts
+        (at most max_oversample x B) and keep B groups whose rewards are not all equal."""
+        c, n = self.cfg, self.cfg.rollout.n_agent
+        clock = {"generate": 0.0, "reward": 0.0}
+
+        def generate_and_score(samples, prompts):
+            t0 = time.perf_counter()
+            trajectories = self.rollout(samples, prompts, n)
+            t1 = time.perf_counter()
+            metrics = self.reward.score(trajectories)
+            clock["generate"] += t1 - t0
+            clock["reward"] += time.perf_counter() - t1
+            return trajectories, metrics
+
+        samples, prompts = self._next_prompts()
+        trajectories, metrics = generate_and_score(samples, prompts)
+        curriculum = isinstance(self.sampler, OnlineCurriculum)
+        if curriculum and c.curriculum.dynamic_filter:
+            errors = metrics.get("reward/errors", 0.0)
+            group_rewards = lambda: [
+                [t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))
+            ]  # noqa: E731
+            while (
+                k := prompts_to_draw(group_rewards(), c.data.train_batch_size, c.curriculum.max_oversample)
+            ) > 0:
+                more_samples, more_prompts = self._next_prompts(extra=k)
+                more, more_metrics = generate_and_score(more_samples, more_prompts)
+                errors += more_metrics.get("reward/errors", 0.0)
+                samples, prompts, trajectories = (
+                    samples + more_samples,
+                    prompts + more_prompts,
+                    trajectories + more,
+                )
+            rewards = group_rewards()
+            for sample, group in zip(samples, rewards):  # every generated group teaches the tracker
+                self.sampler.update(sample.uid, group)
+            selection = select_groups(rewards, c.data.train_batch_size)
+            self.sampler.note_selection(selection)
+            samples = [samples[g] for g in selection.keep]
+            prompts = [prompts[g] for g in selection.keep]
+            trajectories = [t for g in selection.keep for t in trajectories[g * n : (g + 1) * n]]
+            metrics = {**reward_summary(trajectories), "reward/errors": errors}
+            metrics["batch/generated_groups"] = float(len(rewards))
+            metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
+        elif curriculum:
+            for g, sample in enumerate(samples):
+                self.sampler.update(sample.uid, [t.reward for t in trajectories[g * n : (g + 1) * n]])
+        if curriculum:
+            metrics.update(self.sampler.metrics())
+        metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
+        return samples, prompts, trajectories, metrics
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
@@ -289,11 +373,7 @@ class Trainer:
         t0 = time.perf_counter()
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state, self._updating = self._trainer_state(), False
-        samples, prompts = self._next_prompts()
-        trajectories = self.rollout(samples, prompts, n)
-        t_gen = time.perf_counter()
-
-        metrics = self.reward.score(trajectories)
+        samples, prompts, trajectories, metrics = self._rollout_and_score()
         t_reward = time.perf_counter()
 
         tensors = build_step_tensors(
@@ -358,12 +438,10 @@ class Trainer:
                 "response/length_mean": float(lengths.mean()),
                 "response/length_max": float(lengths.max()),
                 "response/truncated_frac": float(np.mean([t.truncated for t in trajectories])),
-                "time/generate": t_gen - t0,
-                "time/reward": t_reward - t_gen,
                 "time/old_ref_log_probs": t_prep - t_reward,
                 "time/update": t_update - t_prep,
                 "time/step": t_update - t0,
-                "perf/gen_tokens_per_s": gen_tokens / max(t_gen - t0, 1e-9),
+                "perf/gen_tokens_per_s": gen_tokens / max(metrics["time/generate"], 1e-9),
                 "perf/tokens_per_s": all_tokens / max(t_update - t0, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
                 "train/epoch": float(self.sampler.epoch),
