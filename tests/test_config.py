@@ -141,7 +141,7 @@ def test_empty_file_and_empty_section_mean_defaults(tmp_path):
 @pytest.mark.parametrize(
     "where, key, allowed",
     [
-        ("yaml", "modle", "data, model, rollout, reward, algorithm, actor, trainer"),
+        ("yaml", "modle", "data, model, rollout, agent, reward, algorithm, actor, trainer, curriculum, sft"),
         ("yaml", "actor.optim.learning_rate", "lr, weight_decay, betas"),
         ("override", "trainer.total_step", "total_steps, total_epochs"),
         ("override", "actor.optim.lr_warmup", "warmup_steps, warmup_ratio"),
@@ -177,7 +177,7 @@ def test_unknown_key_inside_a_list_item():
         ("data.train_files={a: 1}", "config key 'data.train_files' must be a list of str"),
         ("actor.optim.betas=[0.9, x]", "config key 'actor.optim.betas[1]' must be a number"),
         ("data=5", "config key 'data' must be a mapping of settings"),
-        ("data.sampler=shuffle", "config key 'data.sampler' must be one of 'random', 'sequential', got 'shuffle'"),
+        ("data.sampler=shuffle", "config key 'data.sampler' must be one of 'random', 'sequential', 'curriculum', got 'shuffle'"),
         ("model.dtype=fp8", "config key 'model.dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
         ("trainer.resume_mode=yes", "config key 'trainer.resume_mode' must be one of 'auto', 'disable', 'path'"),
         ("nodots", "override 'nodots' must look like section.key=value"),

@@ -1,4 +1,4 @@
-"""`grouprl <verb>`: train (with --dry-run / --explain), eval, version.
+"""`grouprl <verb>`: train (with --dry-run / --explain), eval, curriculum, judge, version.
 
 A mistake the user can make (a missing file, an unknown key, a bad value, an unreachable
 model) is printed as one line and exits with status 2; anything else is a bug and keeps its
@@ -156,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="evaluate a model on the held-out split (greedy)")
     ev.add_argument("items", nargs="*")
     ev.set_defaults(func=cmd_eval)
+    from grouprl.curriculum.cli import add_parser as add_curriculum
+    from grouprl.rewards.judges.cli import add_parser as add_judge
+
+    add_curriculum(sub)  # grouprl curriculum build ...
+    add_judge(sub)  # grouprl judge score ...
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -45,8 +45,8 @@ class DataConfig:
     """Prompts longer than this many tokens are handled by `prompt_overflow`."""
     prompt_overflow: Literal["skip", "truncate"] = "skip"
     """What to do with an over-long prompt: skip the sample, or keep its last tokens."""
-    sampler: Literal["random", "sequential"] = "random"
-    """Order of prompts: shuffled every epoch (seeded) or file order (verl: shuffle=False)."""
+    sampler: Literal["random", "sequential", "curriculum"] = "random"
+    """Order of prompts: shuffled every epoch (seeded), file order (verl: shuffle=False), or the online `curriculum`."""
     system_prompt: str | None = None
     """System message prepended to every prompt (a built-in task supplies its own)."""
     few_shot: bool = True
@@ -116,6 +116,78 @@ class RolloutConfig:
 
 
 @dataclass
+class AgentRetrieverConfig:
+    index: str = ""
+    """Index folder searched in-process (set this or `url`)."""
+    url: str = ""
+    """Search service URL for HTTP retrieval (set this or `index`)."""
+    top_k: int = 3
+    """Hits returned per <search> query."""
+    max_consecutive_failures: int = 3
+    """Failed searches in a row after which the search tool reports the service as down."""
+    timeout_s: float = 30.0
+    """Per-request timeout of the HTTP search service, in seconds."""
+
+
+@dataclass
+class AgentConfig:
+    enabled: bool = False
+    """Run the multi-turn agent loop (actions, tools, observations) instead of single-turn generation."""
+    max_turns: int = 7
+    """Most policy turns per trajectory (a turn: optional <think> plus one action)."""
+    tools: list[str] = field(default_factory=lambda: ["search", "bbox"])
+    """Action tags handled by tools: search, bbox."""
+    answer_generator: str = "policy"
+    """Writes <answer> after <search_complete>: policy (frozen, mask 0), none (the policy answers), hf:<path>, openai."""
+    answer_base_url: str = "http://127.0.0.1:8000/v1"
+    """OpenAI-compatible base URL (.../v1) of the answer generator when answer_generator is openai."""
+    answer_model: str = ""
+    """Model name sent to the OpenAI-compatible answer generator."""
+    answer_api_key_env: str = ""
+    """Name of the environment variable holding the answer generator's API key ("" = send none)."""
+    answer_max_tokens: int = 256
+    """Most tokens the answer generator writes."""
+    answer_timeout_s: float = 60.0
+    """Per-request timeout of the OpenAI-compatible answer generator, in seconds."""
+    max_observation_tokens: int = 512
+    """Observations longer than this many policy tokens are cut (0 = no limit)."""
+    max_response_tokens: int = 0
+    """Most response tokens per trajectory, observations included (0 = no limit); reaching it ends the trajectory."""
+    on_unfinished: Literal["answer", "no_answer"] = "answer"
+    """Trajectory that never finished (max turns, token budget): the answer generator still answers, or no answer."""
+    observation_role: str = "user"
+    """Chat role of observation messages (user, or tool where the chat template knows it)."""
+    system_prompt: str | None = None
+    """System prompt that teaches the action protocol (None = the built-in one)."""
+    reuse_kv_cache: bool = True
+    """Keep each trajectory's KV cache across turns and prefill only the new tokens."""
+    retriever: AgentRetrieverConfig = field(default_factory=AgentRetrieverConfig)
+    """Where <search> queries go."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.max_turns >= 1, f"config key 'agent.max_turns' must be >= 1, got {self.max_turns!r}")
+        gen = self.answer_generator
+        need(
+            gen in ("policy", "none", "openai") or (gen.startswith("hf:") and len(gen) > 3),
+            f"config key 'agent.answer_generator' must be policy, none, hf:<path> or openai, got {gen!r}",
+        )
+        need(
+            gen != "openai" or bool(self.answer_model),
+            "config key 'agent.answer_model' must be set when agent.answer_generator is openai",
+        )
+        for key in ("max_observation_tokens", "max_response_tokens"):
+            need(getattr(self, key) >= 0, f"config key 'agent.{key}' must be >= 0, got {getattr(self, key)!r}")
+        need(self.answer_max_tokens >= 1, "config key 'agent.answer_max_tokens' must be >= 1")
+        need(self.answer_timeout_s > 0, "config key 'agent.answer_timeout_s' must be > 0")
+        for name in self.tools:
+            need(name in ("search", "bbox"), f"config key 'agent.tools' may hold search and bbox, got {name!r}")
+
+
+@dataclass
 class RewardComponentConfig:
     name: str = "correctness"
     """Name the component is logged under (reward/<name>)."""
@@ -125,6 +197,62 @@ class RewardComponentConfig:
     """Weight in the composite reward."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the function."""
+    gate: str = ""
+    """Run only where the component of this name scored > gate_threshold; elsewhere the value is 0 (not called)."""
+    gate_threshold: float = 0.0
+    """The gate opens where the gate component's value is strictly above this."""
+
+
+@dataclass
+class JudgeConfig:
+    name: str = "judge"
+    """Name components use to refer to this judge: function `judge:<name>`."""
+    backend: Literal["openai", "gemini", "local"] = "openai"
+    """openai: any OpenAI-compatible chat server; gemini: google-genai SDK (extra `gemini`); local: in-process HF model."""
+    model: str = ""
+    """Model name sent to the server (openai/gemini), or the local model folder or hub id (local)."""
+    base_url: str = "http://127.0.0.1:8000/v1"
+    """OpenAI-compatible base URL (.../v1); gemini: an endpoint override ("" or this default = Google's)."""
+    api_key_env: str = ""
+    """Name of the environment variable holding the API key ("" = send none); the key itself is never config."""
+    prompt_template: str = ""
+    """Path to a prompt template file ("" = the built-in default); see grouprl/rewards/judges/prompts/."""
+    system_prompt: str = ""
+    """System message sent before the rendered template ("" = none)."""
+    fields: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0})
+    """Score fields the judge must return, each with its weight in the aggregate (weighted mean)."""
+    scale: float = 5.0
+    """Maximum of the judge's score scale (5 for 0-5, 10 for 0-10); a value written "x/N" declares its own."""
+    temperature: float = 0.0
+    """Judge sampling temperature (0 = greedy; cached answers assume a deterministic judge)."""
+    max_tokens: int = 512
+    """Most tokens the judge may generate per answer."""
+    max_concurrent_requests: int = 50
+    """Requests in flight at once across every caller of this judge."""
+    timeout_s: float = 60.0
+    """Per-request timeout in seconds (connect, read and the whole call)."""
+    max_retries: int = 4
+    """Retries after the first attempt on 429, 5xx, timeouts, connection errors and unparsable output."""
+    backoff_base_s: float = 1.0
+    """First retry delay; doubles per retry, jittered (half fixed, half random)."""
+    backoff_max_s: float = 30.0
+    """Longest single retry delay, Retry-After included."""
+    on_failure: Literal["fallback", "drop_group"] = "fallback"
+    """After the last retry: use `fallback`, or score NaN so the trainer drops the sample's whole group."""
+    fallback: float = 0.0
+    """Score given to a sample whose judge call failed when on_failure is fallback."""
+    cache_path: str = "~/.cache/grouprl/judge_cache.sqlite"
+    """SQLite file of judge answers keyed by model, prompt, images and sampling ("" = no cache)."""
+    log_path: str = ""
+    """judge.jsonl path for every call ("" = <run dir>/judge.jsonl when the trainer passes one, else none)."""
+    image_max_pixels: int = 1003520
+    """Images are downscaled to at most this many pixels before sending (aspect ratio kept)."""
+    image_base_path: str = ""
+    """Folder where retrieved / gold doc ids resolve to image files (<dir>/<id>[.png|.jpg|...])."""
+    device: str = "auto"
+    """local backend: auto, cpu, cuda, cuda:N."""
+    batch_size: int = 8
+    """local backend: most prompts generated together in one batch."""
 
 
 @dataclass
@@ -140,6 +268,8 @@ class RewardConfig:
     """Value given to a component that raises or returns NaN/inf (counted in reward/errors)."""
     val_metric: str = "correctness"
     """Component reported as evaluation accuracy and used for best-model saving."""
+    judges: list[JudgeConfig] = field(default_factory=list)
+    """LLM/VLM judges; a component uses one with function `judge:<name>`."""
 
 
 @dataclass
@@ -259,6 +389,117 @@ class TrainerConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    easy: float = 0.7
+    """A prompt whose moving-average score is above this is mastered."""
+    hard: float = 0.1
+    """A prompt whose moving-average score is below this is unsolvable (edge: hard <= score <= easy)."""
+    rule: Literal["mean", "mixed"] = "mixed"
+    """mixed: an edge prompt whose latest group scored all alike (zero advantage) goes to the nearer other bucket."""
+    order: Literal["easy-to-hard", "hard-to-easy", "spread", "random"] = "easy-to-hard"
+    """Order of prompts inside a bucket (see grouprl.curriculum.order); ties by uid."""
+    ema: float = 0.5
+    """Weight of a prompt's newest group mean in its moving-average score (1.0 = the latest visit only)."""
+    rebucket_every: int = 10
+    """Re-bucket every prompt from its moving-average score every this many steps."""
+    weights: dict[str, float] = field(
+        default_factory=lambda: {"mastered": 0.05, "edge": 0.7, "unsolvable": 0.05, "unseen": 0.2}
+    )
+    """Share of each batch drawn from mastered, edge, unsolvable, unseen (a bucket left out gets 0; an empty bucket's share goes to the rest)."""
+    dynamic_filter: bool = False
+    """Over-sample prompts and drop groups whose rewards are all equal, keeping the batch size."""
+    max_oversample: float = 2.0
+    """With dynamic_filter: most prompts generated per step, as a multiple of data.train_batch_size."""
+    init_from_build: bool = True
+    """Start prompts carrying extra_info.curriculum (`grouprl curriculum build` output) from that score."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        need(
+            self.hard <= self.easy,
+            f"config key 'curriculum.hard' ({self.hard}) must be <= curriculum.easy ({self.easy})",
+        )
+        need(0 < self.ema <= 1, f"config key 'curriculum.ema' must be in (0, 1], got {self.ema}")
+        need(
+            self.rebucket_every >= 1,
+            f"config key 'curriculum.rebucket_every' must be >= 1, got {self.rebucket_every}",
+        )
+        need(
+            self.max_oversample >= 1,
+            f"config key 'curriculum.max_oversample' must be >= 1, got {self.max_oversample}",
+        )
+        pools = ("mastered", "edge", "unsolvable", "unseen")
+        for key, value in self.weights.items():
+            need(
+                key in pools,
+                f"config key 'curriculum.weights' has unknown bucket {key!r}; allowed: {', '.join(pools)}",
+            )
+            need(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                f"config key 'curriculum.weights.{key}' must be a number >= 0, got {value!r}",
+            )
+        need(
+            sum(self.weights.values()) > 0,
+            "config key 'curriculum.weights' must give some bucket a weight > 0",
+        )
+
+
+@dataclass
+class SFTConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Conversations to learn (jsonl/json/parquet: `messages`, optional `train_on`). Empty: generate `task`."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out conversations for the eval loss. Empty with a built-in task: its held-out split."""
+    task: str = "slides"
+    """Built-in task whose gold trajectories are generated when train_files is empty (slides)."""
+    task_dir: str = ""
+    """Folder the task's files (corpus, images, questions, trajectories) go to; "" = <output_dir>/data."""
+    task_train_size: int = 200
+    """Training questions (gold trajectories) the built-in task generates."""
+    task_val_size: int = 50
+    """Held-out questions the built-in task generates."""
+    task_seed: int = 0
+    """Seed of the built-in task (the same seed gives the same corpus and questions)."""
+    epochs: int = 1
+    """Passes over the training conversations when max_steps is 0."""
+    max_steps: int = 0
+    """Optimizer steps (0 = `epochs` passes)."""
+    batch_size: int = 8
+    """Conversations per optimizer step."""
+    micro_batch_size: int = 4
+    """Conversations per forward/backward (gradient accumulation inside a batch)."""
+    max_length: int = 1024
+    """Conversations longer than this many tokens are handled by `overflow`."""
+    overflow: Literal["skip", "truncate"] = "skip"
+    """An over-long conversation is skipped, or cut to its first max_length tokens (both counted)."""
+    seed: int = 42
+    """Seed of the data order and initialisation."""
+    output_dir: str = "runs/sft"
+    """Run folder: metrics.jsonl, samples.jsonl, and the model in Hugging Face format in <output_dir>/model."""
+    eval_freq: int = 0
+    """Held-out loss every N steps (0 = before and after training only)."""
+    eval_max_conversations: int = 16
+    """Compute the held-out loss on at most this many conversations (0 = all)."""
+    preview_samples: int = 8
+    """Held-out prompts answered greedily (first turn) before and after training, into samples.jsonl (0 = none)."""
+    preview_max_tokens: int = 64
+    """Most tokens of a preview answer."""
+    logits_chunk_size: int = 256
+    """Trained positions per chunk of the LM head (bounds the [tokens, vocab] tensor)."""
+    merge_lora: bool = True
+    """With LoRA: save the merged model (loads with plain from_pretrained) instead of the adapters."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """console, jsonl, wandb, tensorboard (the last two only when installed)."""
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.1, scheduler="cosine", min_lr_ratio=0.1)
+    )
+    """Optimizer and schedule of the fine-tuning (trainer.device and the `model` section apply too)."""
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets, prompts and sampling of prompts."""
@@ -266,6 +507,8 @@ class Config:
     """Policy model."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn agent loop: actions, tools, observations, the frozen answer generator."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward components."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -274,6 +517,10 @@ class Config:
     """Policy update."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, checkpoints, logging, evaluation."""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Online curriculum sampler (data.sampler=curriculum) and dynamic filtering of zero-variance groups."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning on conversations (`grouprl sft`), e.g. the warm start before RL."""
 
 
 # --------------------------------------------------------------------------------------
@@ -569,6 +816,10 @@ def validate(cfg: Config) -> Config:
     need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")
+    need(
+        not cfg.curriculum.dynamic_filter or cfg.data.sampler == "curriculum",
+        "config key 'curriculum.dynamic_filter' needs data.sampler=curriculum",
+    )
     need(cfg.actor.logits_chunk_size >= 1, "config key 'actor.logits_chunk_size' must be >= 1")
     # counts and periods where 0 means "off" / "all": a negative value would silently misbehave
     # (a negative mini_batch_size divides any batch and then skips every update)
@@ -604,6 +855,9 @@ def validate(cfg: Config) -> Config:
     need(bool(cfg.reward.components), "config key 'reward.components' must name at least one reward")
     names = [c.name for c in cfg.reward.components]
     need(len(set(names)) == len(names), f"config key 'reward.components' has duplicate names: {names}")
+    from grouprl.rewards.judges.checks import check_reward_config
+
+    check_reward_config(cfg.reward)  # judges, `judge:<name>` references and gates
     need(
         cfg.reward.val_metric in names or cfg.reward.val_metric == "reward",
         f"config key 'reward.val_metric' must be 'reward' or a component name ({', '.join(names)}), "

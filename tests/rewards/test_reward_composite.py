@@ -1,13 +1,18 @@
 import asyncio
+import dataclasses
+import json
 import logging
 import math
+import re
 
 import pytest
+import yaml
 
-from grouprl.config import RewardComponentConfig, RewardConfig
+from grouprl.config import JudgeConfig, RewardComponentConfig, RewardConfig, load_config
 from grouprl.data.sample import Sample
 from grouprl.errors import ConfigError
-from grouprl.rewards import CompositeReward, RewardComponent
+from grouprl.rewards import CompositeReward, RewardComponent, groups_to_drop
+from grouprl.rewards.judges.fake_server import FakeJudgeServer, Reply
 from grouprl.rollout.trajectory import Trajectory
 
 GOOD = "<think>7 + 5 = 12</think>\n<answer>12</answer>"
@@ -282,3 +287,238 @@ def test_unknown_function_in_config_is_a_config_error():
     config = RewardConfig(components=[RewardComponentConfig(name="accuracy")])
     with pytest.raises(ConfigError, match="unknown reward 'accuracy'"):
         CompositeReward.from_config(config)
+
+
+# ------------------------------------------------------------------ gates and judges
+@pytest.fixture
+def server():
+    with FakeJudgeServer() as running:
+        yield running
+
+
+def judge_cfg(server, **overrides):
+    base = JudgeConfig(
+        name="vlm", base_url=server.base_url, model="m", cache_path="", max_retries=1,
+        backoff_base_s=0.001, backoff_max_s=0.01,
+    )  # fmt: skip
+    return dataclasses.replace(base, **overrides)
+
+
+def graded(grade, note=""):
+    """A well-formed response the fake judge grades `grade` (out of 5)."""
+    return f"<think>GRADE:{grade}{note}</think>\n<answer>12</answer>"
+
+
+def gated_reward_config(judge):
+    return RewardConfig(
+        judges=[judge],
+        components=[
+            RewardComponentConfig(name="format", function="strict_format", weight=0.0),
+            RewardComponentConfig(name="judge", function="judge:vlm", weight=0.8, gate="format"),
+            RewardComponentConfig(name="tags", function="xml_count", weight=0.2),
+        ],
+    )
+
+
+def test_a_gated_judge_is_not_asked_about_malformed_answers(server, tmp_path):
+    composite = CompositeReward.from_config(gated_reward_config(judge_cfg(server)), run_dir=tmp_path)
+    responses = [graded(4), "GRADE:5 12", graded(1), "<answer>GRADE:3</answer> trailing"]
+    trajectories = make_trajectories(responses)
+    metrics = composite.score(trajectories)
+    composite.close()
+
+    assert server.requests == 2  # only the two well-formed answers reached the judge
+    assert [t.rewards["format"] for t in trajectories] == [1.0, 0.0, 1.0, 0.0]
+    assert [t.rewards["judge"] for t in trajectories] == pytest.approx([0.8, 0.0, 0.2, 0.0])
+    tags = [t.rewards["tags"] for t in trajectories]
+    assert tags == pytest.approx([0.5, 0.0, 0.5, 0.25 - 0.008])  # xml_count by hand: 8 trailing chars
+    assert [t.reward for t in trajectories] == pytest.approx(
+        [0.8 * j + 0.2 * x for j, x in zip([0.8, 0, 0.2, 0], tags)]
+    )
+    assert metrics["reward/gated/judge"] == 2.0
+    assert metrics["reward/judge"] == pytest.approx(0.25)
+    assert {k: v for k, v in metrics.items() if k.startswith("judge/")} == pytest.approx(
+        {
+            "judge/judge/calls": 2.0,
+            "judge/judge/requests": 2.0,
+            "judge/judge/cache_hits": 0.0,
+            "judge/judge/retries": 0.0,
+            "judge/judge/failures": 0.0,
+            "judge/judge/latency_s": metrics["judge/judge/latency_s"],
+            "judge/judge/score/correctness": 0.5,
+        }
+    )
+    assert 0 < metrics["judge/judge/latency_s"] < 5
+    lines = (tmp_path / "judge.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["request_id"] for line in lines) == ["q1/0", "q1/2"]
+
+
+def test_a_failed_judge_can_drop_its_group(server):
+    server.behaviour = lambda call: Reply("status", status=503)
+    composite = CompositeReward.from_config(gated_reward_config(judge_cfg(server, on_failure="drop_group")))
+    bad_group = make_trajectories([graded(3), "malformed"])
+    good_group = make_trajectories(["malformed", "also malformed"])
+    for t in good_group:
+        t.sample = dataclasses.replace(t.sample, uid="q2")
+    metrics = composite.score(bad_group + good_group)
+    composite.close()
+
+    assert math.isnan(bad_group[0].rewards["judge"]) and math.isnan(bad_group[0].reward)
+    assert bad_group[1].rewards["judge"] == 0.0  # gated, not failed
+    assert groups_to_drop(bad_group + good_group) == {"q1"}
+    assert server.requests == 2  # one call, retried once
+    kept = [t.reward for t in bad_group[1:] + good_group]
+    assert metrics["reward/mean"] == pytest.approx(sum(kept) / 3)
+    assert (metrics["reward/dropped"], metrics["reward/dropped_groups"]) == (1.0, 1.0)
+    assert (
+        metrics["reward/errors/judge"],
+        metrics["judge/judge/failures"],
+        metrics["judge/judge/retries"],
+    ) == (
+        1.0,
+        1.0,
+        1.0,
+    )
+
+
+def test_a_failed_judge_falls_back_to_its_value(server):
+    server.behaviour = lambda call: Reply("ok", content="no verdict")
+    composite = CompositeReward.from_config(gated_reward_config(judge_cfg(server, fallback=0.25)))
+    trajectories = make_trajectories([graded(5), graded(5)])
+    metrics = composite.score(trajectories)
+    composite.close()
+    assert [t.rewards["judge"] for t in trajectories] == [0.25, 0.25]
+    assert metrics["reward/errors/judge"] == 2.0 and "reward/dropped" not in metrics
+    # the two identical prompts share one call (the second waits for the first), retried once
+    assert server.requests == 2 and metrics["judge/judge/requests"] == 2.0
+
+
+def test_overlapping_ascore_calls_share_the_judge_cap(server):
+    server.latency = 0.05
+    composite = CompositeReward.from_config(gated_reward_config(judge_cfg(server, max_concurrent_requests=2)))
+    groups = []
+    for g in range(3):
+        group = make_trajectories([graded((g + i) % 6, f" group {g} sample {i}") for i in range(4)])
+        for t in group:
+            t.sample = dataclasses.replace(t.sample, uid=f"g{g}")
+        groups.append(group)
+
+    async def streaming():  # one ascore per finished group, overlapping in one loop
+        return await asyncio.gather(*(composite.ascore(group) for group in groups))
+
+    all_metrics = asyncio.run(streaming())
+    composite.close()
+    assert server.max_in_flight == 2 and server.requests == 12
+    for g, (group, metrics) in enumerate(zip(groups, all_metrics)):
+        expected = [((g + i) % 6) / 5 for i in range(4)]
+        assert [t.rewards["judge"] for t in group] == pytest.approx(expected)
+        assert metrics["judge/judge/calls"] == 4.0 and metrics["reward/judge"] == pytest.approx(
+            sum(expected) / 4
+        )
+
+
+def test_gates_run_in_order_and_a_shut_or_failed_gate_skips_the_call():
+    calls = []
+
+    def recorder(name, value):
+        def fn(response):
+            calls.append((name, response))
+            if value == "raise":
+                raise RuntimeError("broken gate")
+            return value(response) if callable(value) else value
+
+        return fn
+
+    composite = CompositeReward(
+        [
+            RewardComponent("last", recorder("last", 1.0), gate="middle"),
+            RewardComponent("middle", recorder("middle", 2.0), gate="first", gate_threshold=0.5),
+            RewardComponent("first", recorder("first", lambda r: {"a": 1.0, "b": 0.5}.get(r, 0.0))),
+            RewardComponent("broken", recorder("broken", "raise")),
+            RewardComponent("after_broken", recorder("after_broken", 1.0), gate="broken"),
+        ]
+    )
+    trajectories = make_trajectories(["a", "b"])
+    metrics = composite.score(trajectories)
+    assert calls == [("first", "a"), ("broken", "a"), ("first", "b"), ("broken", "b"), ("middle", "a"),
+                     ("last", "a")]  # fmt: skip
+    assert trajectories[0].rewards == {
+        "last": 1.0,
+        "middle": 2.0,
+        "first": 1.0,
+        "broken": 0.0,
+        "after_broken": 0.0,
+    }
+    assert trajectories[1].rewards == {
+        "last": 0.0,
+        "middle": 0.0,
+        "first": 0.5,
+        "broken": 0.0,
+        "after_broken": 0.0,
+    }
+    assert metrics["reward/gated/middle"] == 1.0 and metrics["reward/gated/last"] == 1.0
+    assert metrics["reward/gated/after_broken"] == 2.0 and metrics["reward/errors/broken"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "gates, fragment",
+    [
+        ({"a": "b", "b": "a"}, "gates form a cycle: a -> b -> a"),
+        ({"a": "a"}, "cycle: a -> a"),
+        ({"a": "zzz"}, "gate 'zzz' is not a component"),
+    ],
+)
+def test_bad_gates_are_config_errors(gates, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        CompositeReward(
+            [RewardComponent(name, lambda response: 1.0, gate=gate) for name, gate in gates.items()]
+        )
+
+
+def recipe_tree():
+    return {
+        "reward": {
+            "val_metric": "judge",
+            "judges": [{"name": "vlm", "model": "gemini-2.5-flash", "api_key_env": "JUDGE_API_KEY"}],
+            "components": [
+                {"name": "format", "function": "strict_format", "weight": 0.0},
+                {"name": "judge", "function": "judge:vlm", "weight": 0.8, "gate": "format"},
+                {"name": "tags", "function": "xml_count", "weight": 0.2},
+            ],
+        }
+    }
+
+
+def test_a_judge_recipe_loads(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_tree()))
+    cfg = load_config(path)
+    assert cfg.reward.judges == [
+        JudgeConfig(name="vlm", model="gemini-2.5-flash", api_key_env="JUDGE_API_KEY")
+    ]
+    assert cfg.reward.components[1].gate == "format"
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (
+            lambda r: r["components"][1].update(function="judge:other"),
+            "uses judge 'other', but reward.judges defines vlm",
+        ),
+        (lambda r: r["components"][1].update(gate="missing"), "gate 'missing' is not a component"),
+        (lambda r: r["components"][0].update(gate="judge"), "gates form a cycle: format -> judge -> format"),
+        (lambda r: r["judges"].append(dict(r["judges"][0])), "needs unique, non-empty names"),
+        (lambda r: r["judges"][0].update(max_concurrent_requests=0), "max_concurrent_requests must be >= 1"),
+        (lambda r: r["judges"][0].update(fields={"correctness": 0}), "field weights must not all be 0"),
+        (lambda r: r["judges"][0].update(on_failure="skip"), "must be one of 'fallback', 'drop_group'"),
+        (lambda r: r["judges"][0].update(api_key="sk-x"), "unknown config key 'reward.judges[0].api_key'"),
+    ],
+)
+def test_judge_and_gate_mistakes_fail_when_the_config_loads(tmp_path, edit, fragment):
+    tree = recipe_tree()
+    edit(tree["reward"])
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(path)

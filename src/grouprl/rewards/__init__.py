@@ -1,6 +1,6 @@
-"""Scoring trajectories: rule rewards, user reward files, and their weighted composite."""
+"""Scoring trajectories: rule rewards, user reward files, judges, and their weighted composite."""
 
-from grouprl.rewards.composite import CompositeReward, RewardComponent
+from grouprl.rewards.composite import CompositeReward, RewardComponent, groups_to_drop
 from grouprl.rewards.loader import load_reward_function
 from grouprl.rewards.rules import BUILTIN, extract_answer, extract_number
 
@@ -10,5 +10,6 @@ __all__ = [
     "RewardComponent",
     "extract_answer",
     "extract_number",
+    "groups_to_drop",
     "load_reward_function",
 ]

@@ -3,6 +3,18 @@
 A reward function written by a user must not stop a training run: one that raises, or
 returns None, NaN/inf or a non-number, gets the configured fallback value and is counted
 in `reward/errors` (its first failure is logged once), and training goes on.
+
+Gates: a component with `gate: <other>` is called only where <other> scored above
+`gate_threshold`; elsewhere its value is 0 and it is counted in `reward/gated/<name>` (a judge
+behind a format gate costs nothing for malformed answers). Components run in stages, each
+stage after the components gating it; inside a stage all async calls run concurrently.
+
+Judges (`function: "judge:<name>"`, see grouprl.rewards.judges) return a `JudgeResult`: its
+aggregate is the value, and each call is counted in `judge/<name>/{requests, cache_hits,
+retries, failures, latency_s}` plus the mean of each score field, `judge/<name>/score/<field>`.
+A failed judge call takes the judge's `fallback`, or with `on_failure: drop_group` the value
+NaN: the trajectory's `reward` is then NaN, `groups_to_drop(trajectories)` names its group,
+and `reward/dropped` counts such trajectories (means and std skip them).
 """
 
 from __future__ import annotations
@@ -12,13 +24,17 @@ import inspect
 import logging
 import math
 import numbers
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from grouprl.config import RewardConfig
 from grouprl.errors import ConfigError
+from grouprl.rewards.judges.base import JudgeResult
+from grouprl.rewards.judges.checks import judge_name, stages_of
+from grouprl.rewards.judges.component import JudgeComponent
 from grouprl.rewards.loader import load_reward_function
 from grouprl.rollout.trajectory import Trajectory
 
@@ -27,7 +43,7 @@ logger = logging.getLogger(__name__)
 # What a reward function may ask for by parameter name; a function with **kwargs gets all.
 CONTEXT_NAMES = ("response", "ground_truth", "prompt", "extra_info", "sample", "trajectory")
 # Component names that would collide with the aggregate metric keys reward/mean, ...
-RESERVED_NAMES = ("mean", "std", "errors")
+RESERVED_NAMES = ("mean", "std", "errors", "gated", "dropped")
 
 
 @dataclass
@@ -38,9 +54,15 @@ class RewardComponent:
     fn: Callable[..., Any]
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    gate: str = ""  # call only where this component scored > gate_threshold; else the value is 0
+    gate_threshold: float = 0.0
+    on_failure: str = "fallback"  # "fallback" | "drop_group" (value NaN: the group leaves the update)
+    fallback: float | None = None  # None: the composite's fallback
     accepted: frozenset[str] | None = field(init=False, default=None)  # context fn takes; None = all
 
     def __post_init__(self) -> None:
+        if self.on_failure not in ("fallback", "drop_group"):
+            raise ConfigError(f"reward component {self.name!r}: on_failure must be fallback or drop_group")
         self.accepted = _accepted_context(self.name, self.fn, self.kwargs)
 
     def arguments(self, context: dict[str, Any]) -> dict[str, Any]:
@@ -114,20 +136,33 @@ async def _gather(awaitables: list[Awaitable[Any]]) -> list[Any]:
     return await asyncio.gather(*awaitables, return_exceptions=True)
 
 
-def _run_to_completion(awaitables: list[Awaitable[Any]]) -> list[Any]:
-    """Await all in one fresh event loop; from inside a running loop, in a helper thread."""
+def _run_to_completion(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run in one fresh event loop; from inside a running loop, in a helper thread."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_gather(awaitables))
+        return asyncio.run(coroutine)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, _gather(awaitables)).result()
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def groups_to_drop(trajectories: list[Trajectory]) -> set[str]:
+    """Group ids (uids) with a NaN reward (a judge failure under on_failure: drop_group): the
+    trainer leaves these whole groups out of the advantage and the update."""
+    return {t.uid for t in trajectories if math.isnan(t.reward)}
 
 
 class CompositeReward:
-    """Scores trajectories with every component and writes `rewards` and `reward` on them."""
+    """Scores trajectories with every component and writes `rewards` and `reward` on them.
 
-    def __init__(self, components: list[RewardComponent], fallback: float = 0.0) -> None:
+    `score` (sync) and `await ascore` (inside an event loop) may be called on any subset of
+    trajectories, e.g. one finished group at a time; overlapping `ascore` calls are safe and
+    share each judge's concurrency cap and cache. Call `close()` when done to stop the judges.
+    """
+
+    def __init__(
+        self, components: list[RewardComponent], fallback: float = 0.0, judges: dict[str, Any] | None = None
+    ) -> None:
         names = [c.name for c in components]
         if not components:
             raise ConfigError("reward needs at least one component")
@@ -136,91 +171,157 @@ class CompositeReward:
         reserved = sorted(set(names) & set(RESERVED_NAMES))
         if reserved:
             raise ConfigError(f"reward component name {reserved[0]!r} is reserved for reward/{reserved[0]}")
+        for c in components:
+            if c.gate and c.gate not in names:
+                raise ConfigError(
+                    f"reward component {c.name!r}: gate {c.gate!r} is not a component ({', '.join(names)})"
+                )
         self.components = components
         self.fallback = float(fallback)
+        self.judges = dict(judges or {})  # judge name -> JudgeClient, closed by close()
+        index = {name: i for i, name in enumerate(names)}
+        self._gate_index = [index[c.gate] if c.gate else None for c in components]
+        self._stages = [
+            [index[n] for n in stage] for stage in stages_of({c.name: c.gate for c in components})
+        ]
         self._reported: set[str] = set()  # components whose first failure was logged
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig) -> CompositeReward:
-        components = [
-            RewardComponent(
-                name=c.name,
-                fn=load_reward_function(c.function or c.name),
-                weight=float(c.weight),
-                kwargs=dict(c.kwargs),
-            )
-            for c in cfg.components
-        ]
-        return cls(components, fallback=cfg.fallback)
+    def from_config(cls, cfg: RewardConfig, run_dir: str | Path | None = None) -> CompositeReward:
+        """Build from config; judges log to `<run_dir>/judge.jsonl` unless their log_path is set."""
+        from grouprl.rewards.judges.client import JudgeClient
+
+        judge_configs = {j.name: j for j in cfg.judges}
+        judges: dict[str, Any] = {}
+        components = []
+        try:
+            for c in cfg.components:
+                spec = c.function or c.name
+                name = judge_name(spec)
+                extra: dict[str, Any] = {}
+                if name is None:
+                    fn = load_reward_function(spec)
+                else:
+                    if name not in judge_configs:
+                        raise ConfigError(
+                            f"reward component {c.name!r} uses judge {name!r}, but reward.judges defines "
+                            f"{', '.join(judge_configs) or 'none'}"
+                        )
+                    judge_cfg = judge_configs[name]
+                    if name not in judges:
+                        log_path = Path(run_dir) / "judge.jsonl" if run_dir is not None else None
+                        judges[name] = JudgeClient(judge_cfg, log_path=log_path)
+                    fn = JudgeComponent(judges[name], judge_cfg.image_base_path)
+                    extra = {"on_failure": judge_cfg.on_failure, "fallback": judge_cfg.fallback}
+                components.append(
+                    RewardComponent(
+                        name=c.name,
+                        fn=fn,
+                        weight=float(c.weight),
+                        kwargs=dict(c.kwargs),
+                        gate=c.gate,
+                        gate_threshold=float(c.gate_threshold),
+                        **extra,
+                    )
+                )
+            return cls(components, fallback=cfg.fallback, judges=judges)
+        except BaseException:
+            for judge in judges.values():
+                judge.close()
+            raise
+
+    def close(self) -> None:
+        for judge in self.judges.values():
+            judge.close()
 
     def score(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """Score in place; return metrics. Sync components run here, async ones concurrently."""
-        values, pending = self._call_components(trajectories)
-        if pending:
-            results = _run_to_completion([awaitable for _, _, awaitable in pending])
-            self._collect(values, pending, results)
-        return self._finish(trajectories, values)
+        """Score in place; return metrics. Async components run concurrently within a stage."""
+        return _run_to_completion(self.ascore(trajectories))
 
     async def ascore(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """`score` for callers already inside an event loop."""
-        values, pending = self._call_components(trajectories)
-        if pending:
-            results = await _gather([awaitable for _, _, awaitable in pending])
-            self._collect(values, pending, results)
+        # values[t][c]: the raw value, a _Failure, _GATED, or a JudgeResult, until _finish.
+        values: list[list[Any]] = [[None] * len(self.components) for _ in trajectories]
+        contexts = [_context(t) for t in trajectories]
+        for stage in self._stages:
+            pending: list[tuple[int, int, Awaitable[Any]]] = []
+            for t, context in enumerate(contexts):
+                for c in stage:
+                    gate = self._gate_index[c]
+                    if gate is not None and not _opens(values[t][gate], self.components[c].gate_threshold):
+                        values[t][c] = _GATED
+                        continue
+                    component = self.components[c]
+                    try:
+                        result = component.fn(**component.arguments(context))
+                    except Exception as e:  # the function's fault: fall back, count, go on
+                        values[t][c] = _Failure(f"{type(e).__name__}: {e}")
+                        continue
+                    if inspect.isawaitable(result):
+                        pending.append((t, c, result))
+                    else:
+                        values[t][c] = result
+            if pending:
+                results = await _gather([awaitable for _, _, awaitable in pending])
+                for (t, c, _), result in zip(pending, results):
+                    values[t][c] = (
+                        _Failure(f"{type(result).__name__}: {result}")
+                        if isinstance(result, BaseException)
+                        else result
+                    )
         return self._finish(trajectories, values)
 
     # -- steps -------------------------------------------------------------------------
-    def _call_components(self, trajectories: list[Trajectory]):
-        # values[t][c] is the raw value, or an error string until replaced by the fallback.
-        values: list[list[Any]] = [[None] * len(self.components) for _ in trajectories]
-        pending: list[tuple[int, int, Awaitable[Any]]] = []
-        for t, trajectory in enumerate(trajectories):
-            context = _context(trajectory)
-            for c, component in enumerate(self.components):
-                try:
-                    result = component.fn(**component.arguments(context))
-                except Exception as e:  # the function's fault: fall back, count, go on
-                    values[t][c] = _Failure(f"{type(e).__name__}: {e}")
-                    continue
-                if inspect.isawaitable(result):
-                    pending.append((t, c, result))
-                else:
-                    values[t][c] = result
-        return values, pending
-
-    @staticmethod
-    def _collect(values: list[list[Any]], pending, results: list[Any]) -> None:
-        for (t, c, _), result in zip(pending, results):
-            values[t][c] = (
-                _Failure(f"{type(result).__name__}: {result}") if isinstance(result, Exception) else result
-            )
-
     def _finish(self, trajectories: list[Trajectory], values: list[list[Any]]) -> dict[str, float]:
         errors = {component.name: 0 for component in self.components}
+        gated = {c.name: 0 for c in self.components if c.gate}
+        judged: dict[str, list[JudgeResult]] = {
+            c.name: [] for c in self.components if isinstance(c.fn, JudgeComponent)
+        }
         for trajectory, row in zip(trajectories, values):
             total = 0.0
             for component, value in zip(self.components, row):
+                if value is _GATED:
+                    gated[component.name] += 1
+                    value = 0.0
+                if isinstance(value, JudgeResult):
+                    judged.setdefault(component.name, []).append(value)
+                    value = value.aggregate if value.ok else _Failure(value.error or "judge failed")
                 problem = value.message if isinstance(value, _Failure) else _problem_with(value)
                 if problem is not None:
                     errors[component.name] += 1
-                    self._report(component.name, problem)
-                    value = self.fallback
+                    self._report(component, problem)
+                    value = self._failure_value(component)
                 value = float(value)
                 trajectory.rewards[component.name] = value
                 total += component.weight * value
             trajectory.reward = total
-        return self._metrics(trajectories, errors)
+        metrics = self._metrics(trajectories, errors)
+        metrics.update({f"reward/gated/{name}": float(count) for name, count in gated.items()})
+        for name, results in judged.items():
+            metrics.update(_judge_metrics(name, results))
+        return metrics
 
-    def _report(self, name: str, problem: str) -> None:
-        if name in self._reported:
+    def _failure_value(self, component: RewardComponent) -> float:
+        if component.on_failure == "drop_group":
+            return math.nan
+        return self.fallback if component.fallback is None else component.fallback
+
+    def _report(self, component: RewardComponent, problem: str) -> None:
+        if component.name in self._reported:
             return
-        self._reported.add(name)
+        self._reported.add(component.name)
         first_line = (problem.splitlines() or [""])[0]
+        outcome = (
+            "its group is dropped"
+            if component.on_failure == "drop_group"
+            else f"using fallback {self._failure_value(component)}"
+        )
         logger.warning(
-            "reward component %r failed (%s); using fallback %s, later failures are only counted",
-            name,
+            "reward component %r failed (%s); %s, later failures are only counted",
+            component.name,
             first_line,
-            self.fallback,
+            outcome,
         )
 
     def _metrics(self, trajectories: list[Trajectory], errors: dict[str, int]) -> dict[str, float]:
@@ -228,14 +329,58 @@ class CompositeReward:
         metrics.update({f"reward/errors/{name}": float(count) for name, count in errors.items()})
         if not trajectories:
             return metrics
-        count = len(trajectories)
+        dropped = [t for t in trajectories if math.isnan(t.reward)]
+        if dropped:
+            metrics["reward/dropped"] = float(len(dropped))
+            metrics["reward/dropped_groups"] = float(len(groups_to_drop(trajectories)))
         for component in self.components:
-            metrics[f"reward/{component.name}"] = sum(t.rewards[component.name] for t in trajectories) / count
-        mean = sum(t.reward for t in trajectories) / count
-        metrics["reward/mean"] = mean
-        # population std (ddof=0): the spread of this batch, not an estimate of a wider one
-        metrics["reward/std"] = math.sqrt(sum((t.reward - mean) ** 2 for t in trajectories) / count)
+            finite = [
+                t.rewards[component.name] for t in trajectories if not math.isnan(t.rewards[component.name])
+            ]
+            if finite:
+                metrics[f"reward/{component.name}"] = sum(finite) / len(finite)
+        kept = [t.reward for t in trajectories if not math.isnan(t.reward)]
+        if kept:
+            mean = sum(kept) / len(kept)
+            metrics["reward/mean"] = mean
+            # population std (ddof=0): the spread of this batch, not an estimate of a wider one
+            metrics["reward/std"] = math.sqrt(sum((r - mean) ** 2 for r in kept) / len(kept))
         return metrics
+
+
+def _numeric(value: Any) -> float | None:
+    """A usable value as float (a successful JudgeResult counts by its aggregate), else None."""
+    if isinstance(value, JudgeResult):
+        return value.aggregate if value.ok else None
+    if value is _GATED or isinstance(value, _Failure) or _problem_with(value) is not None:
+        return None
+    return float(value)
+
+
+def _opens(gate_value: Any, threshold: float) -> bool:
+    """A gate opens on a usable value above the threshold; a failed or gated gate stays shut."""
+    number = _numeric(gate_value)
+    return number is not None and number > threshold
+
+
+def _judge_metrics(name: str, results: list[JudgeResult]) -> dict[str, float]:
+    sent = [r for r in results if r.attempts > 0]
+    metrics = {
+        f"judge/{name}/calls": float(len(results)),
+        f"judge/{name}/requests": float(sum(r.attempts for r in results)),
+        f"judge/{name}/cache_hits": float(sum(r.cached for r in results)),
+        f"judge/{name}/retries": float(sum(r.retries for r in results)),
+        f"judge/{name}/failures": float(sum(not r.ok for r in results)),
+    }
+    if sent:
+        metrics[f"judge/{name}/latency_s"] = sum(r.latency_s for r in sent) / len(sent)
+    fields: dict[str, list[float]] = {}
+    for r in results:
+        for field_name, score in r.scores.items():
+            fields.setdefault(field_name, []).append(score)
+    for field_name, scores in fields.items():
+        metrics[f"judge/{name}/score/{field_name}"] = sum(scores) / len(scores)
+    return metrics
 
 
 @dataclass
@@ -243,3 +388,6 @@ class _Failure:
     """A component call that raised; `message` is "ExceptionType: text"."""
 
     message: str
+
+
+_GATED = object()  # the value of a component whose gate stayed shut

@@ -138,6 +138,8 @@ class RolloutWriter:
         self.run = run
 
     def write(self, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str]) -> None:
+        if not trajectories:
+            return
         lines = []
         for t in trajectories:
             record = {

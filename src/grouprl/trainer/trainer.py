@@ -27,6 +27,7 @@ from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
+from grouprl.rewards.composite import groups_to_drop
 from grouprl.rollout.hf_engine import HFEngine, SamplingParams
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -120,7 +121,7 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
         # Everything the user can get wrong in data or rewards fails here, before the model loads.
         self.train_samples, self.val_samples = load_data(cfg)
-        self.reward = CompositeReward.from_config(cfg.reward)
+        self.reward = CompositeReward.from_config(cfg.reward, run_dir=self.run_dir)  # judges log to judge.jsonl
 
         self.device = resolve_device(cfg.trainer.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -167,7 +168,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []  # evaluation results by step
         self.best_metric = -math.inf
-        self.counters = {"skipped_steps": 0, "reward_errors": 0}
+        self.counters = {"skipped_steps": 0, "reward_errors": 0, "dropped_groups": 0, "steps_without_update": 0}
         # what a checkpoint taken on Ctrl-C must restore, and whether weights are mid-update (see fit)
         self._pre_step_state: dict | None = None
         self._updating = False
@@ -363,6 +364,14 @@ class Trainer:
                 self.sampler.update(sample.uid, [t.reward for t in trajectories[g * n : (g + 1) * n]])
         if curriculum:
             metrics.update(self.sampler.metrics())
+        dropped = groups_to_drop(trajectories)  # a judge failed under on_failure=drop_group
+        if dropped:
+            keep = [g for g, sample in enumerate(samples) if sample.uid not in dropped]
+            samples, prompts = [samples[g] for g in keep], [prompts[g] for g in keep]
+            trajectories = [t for g in keep for t in trajectories[g * n : (g + 1) * n]]
+            metrics.update(reward_summary(trajectories))
+            metrics["batch/dropped_groups"] = float(len(dropped))
+            self.counters["dropped_groups"] += len(dropped)
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
         return samples, prompts, trajectories, metrics
 
@@ -375,6 +384,12 @@ class Trainer:
         self._pre_step_state, self._updating = self._trainer_state(), False
         samples, prompts, trajectories, metrics = self._rollout_and_score()
         t_reward = time.perf_counter()
+        if not trajectories:  # every group dropped (judge failures): nothing to learn from
+            log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
+            self.step += 1
+            self.counters["steps_without_update"] += 1
+            self._pre_step_state = self._trainer_state()
+            return metrics, trajectories
 
         tensors = build_step_tensors(
             trajectories,
@@ -471,13 +486,13 @@ class Trainer:
         metric = self.cfg.reward.val_metric
         values = [t.reward if metric == "reward" else t.rewards[metric] for t in trajectories]
         out = {
-            "val/accuracy": float(np.mean(values)),
-            "val/reward": float(np.mean([t.reward for t in trajectories])),
+            "val/accuracy": float(np.nanmean(values)),  # NaN: a failed judge (drop_group)
+            "val/reward": float(np.nanmean([t.reward for t in trajectories])),
             "val/response_length": float(np.mean([len(t.response_ids) for t in trajectories])),
             "time/eval": time.perf_counter() - t0,
         }
         for name in trajectories[0].rewards:
-            out[f"val/{name}"] = float(np.mean([t.rewards[name] for t in trajectories]))
+            out[f"val/{name}"] = float(np.nanmean([t.rewards[name] for t in trajectories]))
         self.history.append({"step": self.step, **out})
         return out
 
@@ -583,6 +598,7 @@ class Trainer:
                 lg.close()
             if rollouts:
                 rollouts.close()
+            self.reward.close()
         summary = self.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(summary["line"])

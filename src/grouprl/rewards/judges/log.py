@@ -1,0 +1,55 @@
+"""judge.jsonl: one line per judged request, each written with a single write + flush.
+
+Fields: `time`, `judge`, `request_id`, `model`, `latency_s`, `prompt_tokens`,
+`completion_tokens`, `raw`, `scores`, `aggregate`, `error`, `cached`, `attempts`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+from grouprl.rewards.judges.base import JudgeResult
+
+
+def write_line(file, text: str, lock: threading.Lock) -> None:
+    """Append `text` + newline to an unbuffered binary file in one write (looping only on a
+    short write), so a killed process never leaves half a line behind a complete one."""
+    data = (text + "\n").encode("utf-8")
+    with lock:
+        view = memoryview(data)
+        while view:
+            view = view[file.write(view) :]
+
+
+class JudgeLog:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab", buffering=0)  # raw: one os.write per line
+        self._lock = threading.Lock()
+
+    def write(self, judge: str, model: str, request_id: str, result: JudgeResult) -> None:
+        record = {
+            "time": time.time(),
+            "judge": judge,
+            "request_id": request_id,
+            "model": model,
+            "latency_s": round(result.latency_s, 6),
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "raw": result.raw,
+            "scores": result.scores,
+            "aggregate": result.aggregate if math.isfinite(result.aggregate) else None,
+            "error": result.error,
+            "cached": result.cached,
+            "attempts": result.attempts,
+        }
+        write_line(self._file, json.dumps(record, ensure_ascii=False), self._lock)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

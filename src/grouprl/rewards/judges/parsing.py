@@ -1,0 +1,141 @@
+"""Reading named scores out of a judge's free-form answer.
+
+Judges are asked for JSON but answer in many shapes: a bare object, an object inside a
+```json fence, an object after a paragraph of reasoning, numbers written as strings, "4/5",
+"80%", {"score": 4, "max": 5}, or only prose ("Correctness: 4/5"). `parse_scores` accepts all
+of these, normalises every field to [0, 1] (by `scale`, unless the value declares its own
+maximum) and raises `JudgeParseError` naming the missing or invalid fields otherwise.
+
+>>> parse_scores('Fine work. ```json\\n{"correctness": "4"}\\n```', {"correctness": 1.0}, 5).scores
+{'correctness': 0.8}
+>>> parse_scores("Correctness: 7/10", {"correctness": 1.0}, 5).scores
+{'correctness': 0.7}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_FENCE = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.S)
+_NUMBER = r"[-+]?\d+(?:\.\d+)?"
+_FRACTION = re.compile(rf"\A\s*({_NUMBER})\s*/\s*({_NUMBER})\s*\Z")
+_PERCENT = re.compile(rf"\A\s*({_NUMBER})\s*%\s*\Z")
+_PLAIN = re.compile(rf"\A\s*({_NUMBER})\s*\Z")
+_MAX_KEYS = ("max", "out_of", "scale", "max_score")
+_VALUE_KEYS = ("score", "value", "rating")
+
+
+class JudgeParseError(ValueError):
+    """The judge's answer has no usable value for some score field (message: one line)."""
+
+
+@dataclass
+class ParsedScores:
+    scores: dict[str, float]  # field -> [0, 1]
+    aggregate: float  # weighted mean of `scores` by the configured field weights
+
+
+def parse_scores(text: str, fields: Mapping[str, float], scale: float) -> ParsedScores:
+    """Named scores in [0, 1] and their weighted mean; `fields` maps field name -> weight."""
+    found: dict[str, Any] = {}
+    for candidate in _json_objects(text):
+        matched = {name: value for name in fields if (value := _lookup(candidate, name)) is not None}
+        if len(matched) >= len(found):  # the richest object wins; on ties the later one (the final verdict)
+            found = matched
+    for name in fields:
+        if name not in found and (value := _from_prose(text, name)) is not None:
+            found[name] = value
+    missing = [name for name in fields if name not in found]
+    if missing:
+        raise JudgeParseError(f"judge output lacks score field(s) {', '.join(missing)}: {_preview(text)}")
+    scores = {name: _normalise(name, found[name], scale) for name in fields}
+    total_weight = sum(fields.values())
+    aggregate = sum(fields[name] * scores[name] for name in fields) / total_weight
+    return ParsedScores(scores=scores, aggregate=aggregate)
+
+
+def _json_objects(text: str) -> list[dict[str, Any]]:
+    """Every JSON object in `text`, fenced ones first, in order of appearance."""
+    objects: list[dict[str, Any]] = []
+    sources = [m.group(1) for m in _FENCE.finditer(text)] + [text]
+    decoder = json.JSONDecoder()
+    for source in sources:
+        position = source.find("{")
+        while position != -1:
+            try:
+                value, end = decoder.raw_decode(source, position)
+            except json.JSONDecodeError:
+                position = source.find("{", position + 1)
+                continue
+            if isinstance(value, dict):
+                objects.append(value)
+                nested = value.get("scores")  # {"scores": {...}, "reasoning": ...}
+                if isinstance(nested, dict):
+                    objects.append(nested)
+            position = source.find("{", end)
+    return objects
+
+
+def _lookup(obj: dict[str, Any], name: str) -> Any:
+    """obj[name] or obj[name + "_score"], ignoring case."""
+    wanted = {name.lower(), f"{name.lower()}_score"}
+    for key, value in obj.items():
+        if isinstance(key, str) and key.lower() in wanted:
+            return value
+    return None
+
+
+def _from_prose(text: str, name: str) -> str | None:
+    """The last `name: 4`, `name = 4/5` or `"name": "4"` written in plain text."""
+    pattern = re.compile(
+        rf"\b{re.escape(name)}(?:_score)?\b[\"'*]*\s*[:=]\s*[\"'*]*\s*({_NUMBER}(?:\s*/\s*{_NUMBER}|\s*%)?)",
+        re.I,
+    )
+    matches = pattern.findall(text)
+    return matches[-1] if matches else None
+
+
+def _normalise(name: str, value: Any, scale: float) -> float:
+    """`value` on its scale -> [0, 1]; raises JudgeParseError for anything else."""
+    if isinstance(value, dict):
+        inner = next((value[k] for k in _VALUE_KEYS if k in value), None)
+        top = next((value[k] for k in _MAX_KEYS if k in value), None)
+        if inner is None:
+            raise JudgeParseError(f"score field {name!r} holds {_preview(json.dumps(value))}, not a score")
+        if top is None:
+            return _normalise(name, inner, scale)
+        return _ratio(name, _number(name, inner), _number(name, top))
+    if isinstance(value, str):
+        if m := _FRACTION.match(value):
+            return _ratio(name, float(m.group(1)), float(m.group(2)))
+        if m := _PERCENT.match(value):
+            return _ratio(name, float(m.group(1)), 100.0)
+    return _ratio(name, _number(name, value), scale)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise JudgeParseError(f"score field {name!r} is {value!r}, not a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and (m := _PLAIN.match(value)):
+        return float(m.group(1))
+    raise JudgeParseError(f"score field {name!r} is {_preview(repr(value))}, not a number")
+
+
+def _ratio(name: str, value: float, top: float) -> float:
+    if not (math.isfinite(value) and math.isfinite(top)) or top <= 0:
+        raise JudgeParseError(f"score field {name!r}: {value:g} out of {top:g} is not a score")
+    if not 0.0 <= value <= top:
+        raise JudgeParseError(f"score field {name!r}: {value:g} is outside 0..{top:g}")
+    return value / top
+
+
+def _preview(text: str, limit: int = 80) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= limit else flat[: limit - 3] + "...")

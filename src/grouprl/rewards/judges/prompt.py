@@ -1,0 +1,68 @@
+"""Prompt templates: load a file (or a built-in one), fill its placeholders, attach images.
+
+Only known placeholders are replaced (`{question}`, `{response}`, `{answer}`, `{gold_answer}`,
+`{num_retrieved_images}`, `{num_gold_images}` and `{<key>}` for keys of the request's `extra`),
+so a JSON example written in a template stays as it is. See prompts/README.md.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from grouprl.errors import ConfigError
+from grouprl.rewards.judges.base import JudgePrompt, JudgeRequest
+from grouprl.rewards.judges.images import encode_image
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+NO_ANSWER = "(no answer given)"
+RETRIEVED_LABEL = "Retrieved images:"
+GOLD_LABEL = "Reference images:"
+
+
+def load_template(spec: str) -> str:
+    """The template text: "" = built-in default, `builtin:<name>`, or a file path."""
+    if not spec or spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1] if spec else "default"
+        path = PROMPTS_DIR / f"{name}.md"
+        if not path.is_file():
+            available = sorted(p.stem for p in PROMPTS_DIR.glob("*.md") if p.stem != "README")
+            raise ConfigError(f"unknown built-in judge prompt {spec!r}; available: {', '.join(available)}")
+        return path.read_text(encoding="utf-8")
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"judge prompt template not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ConfigError(f"judge prompt template {path} is empty")
+    return text
+
+
+def fill_template(template: str, request: JudgeRequest) -> str:
+    values = {str(k): v for k, v in request.extra.items()}
+    values.update(
+        question=request.question,
+        response=request.response,
+        answer=request.answer or NO_ANSWER,
+        gold_answer=request.gold_answer,
+        num_retrieved_images=len(request.retrieved_images),
+        num_gold_images=len(request.gold_images),
+    )
+
+    def replace(match: re.Match[str]) -> str:
+        key = match.group(1)
+        return str(values[key]) if key in values else match.group(0)
+
+    return _PLACEHOLDER.sub(replace, template)
+
+
+def render(
+    template: str, request: JudgeRequest, *, system: str = "", max_pixels: int, image_base_path: str = ""
+) -> JudgePrompt:
+    """The prompt for `request`. Raises JudgeImageError for an unreadable image."""
+    groups = []
+    for label, images in ((RETRIEVED_LABEL, request.retrieved_images), (GOLD_LABEL, request.gold_images)):
+        if images:
+            groups.append((label, [encode_image(image, max_pixels, image_base_path) for image in images]))
+    return JudgePrompt(system=system, user=fill_template(template, request), image_groups=groups)
