@@ -28,6 +28,7 @@ from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
 from grouprl.rewards.composite import groups_to_drop
+from grouprl.rewards.streaming import batch_summary
 from grouprl.rollout.hf_engine import HFEngine, SamplingParams
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -78,19 +79,6 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     return train, val
 
 
-def reward_summary(trajectories: list[Trajectory]) -> dict[str, float]:
-    """reward/<component>, reward/mean, reward/std (population) over `trajectories`."""
-    if not trajectories:
-        return {}
-    out = {
-        f"reward/{name}": float(np.mean([t.rewards[name] for t in trajectories]))
-        for name in trajectories[0].rewards
-    }
-    rewards = np.array([t.reward for t in trajectories])
-    out["reward/mean"], out["reward/std"] = float(rewards.mean()), float(rewards.std())
-    return out
-
-
 def drop_lines_after(path: Path, step: int) -> None:
     """Keep only the jsonl records of steps <= `step` (atomic rewrite; a torn last line goes too)."""
     if not path.is_file():
@@ -121,7 +109,9 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
         # Everything the user can get wrong in data or rewards fails here, before the model loads.
         self.train_samples, self.val_samples = load_data(cfg)
-        self.reward = CompositeReward.from_config(cfg.reward, run_dir=self.run_dir)  # judges log to judge.jsonl
+        self.reward = CompositeReward.from_config(
+            cfg.reward, run_dir=self.run_dir
+        )  # judges log to judge.jsonl
 
         self.device = resolve_device(cfg.trainer.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -168,7 +158,12 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []  # evaluation results by step
         self.best_metric = -math.inf
-        self.counters = {"skipped_steps": 0, "reward_errors": 0, "dropped_groups": 0, "steps_without_update": 0}
+        self.counters = {
+            "skipped_steps": 0,
+            "reward_errors": 0,
+            "dropped_groups": 0,
+            "steps_without_update": 0,
+        }
         # what a checkpoint taken on Ctrl-C must restore, and whether weights are mid-update (see fit)
         self._pre_step_state: dict | None = None
         self._updating = False
@@ -356,7 +351,7 @@ class Trainer:
             samples = [samples[g] for g in selection.keep]
             prompts = [prompts[g] for g in selection.keep]
             trajectories = [t for g in selection.keep for t in trajectories[g * n : (g + 1) * n]]
-            metrics = {**reward_summary(trajectories), "reward/errors": errors}
+            metrics = {**batch_summary(trajectories), "reward/errors": errors}
             metrics["batch/generated_groups"] = float(len(rewards))
             metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
         elif curriculum:
@@ -369,7 +364,7 @@ class Trainer:
             keep = [g for g, sample in enumerate(samples) if sample.uid not in dropped]
             samples, prompts = [samples[g] for g in keep], [prompts[g] for g in keep]
             trajectories = [t for g in keep for t in trajectories[g * n : (g + 1) * n]]
-            metrics.update(reward_summary(trajectories))
+            metrics.update(batch_summary(trajectories))
             metrics["batch/dropped_groups"] = float(len(dropped))
             self.counters["dropped_groups"] += len(dropped)
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]

@@ -1,0 +1,109 @@
+"""Streaming rewards: a group is scored as soon as its n trajectories are complete, while the
+other groups are still generating.
+
+Generation runs on the caller's thread; scoring runs on a background thread that owns an
+asyncio event loop, so the judges' HTTP calls of finished groups are in flight while the model
+keeps decoding (torch releases the GIL in its kernels). Rule rewards of a group are computed on
+that thread too, off the decode loop. `finish()` waits for what is still being scored and
+returns the step's reward metrics, plus how much of the reward work was hidden behind
+generation:
+
+    time/reward          wall time the step waited for rewards after generation ended
+    time/reward_span     first group submitted -> last group scored
+    time/reward_hidden   the part of that span that overlapped generation
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from grouprl.rewards.composite import CompositeReward
+from grouprl.rollout.trajectory import Trajectory
+
+# metrics that are counts: summed over groups (everything else of a group is a mean over it)
+_COUNT_SUFFIXES = ("/calls", "/requests", "/cache_hits", "/retries", "/failures")
+
+
+def _is_count(key: str) -> bool:
+    return key.startswith(("reward/errors", "reward/gated/")) or key.endswith(_COUNT_SUFFIXES)
+
+
+class StreamingRewards:
+    """Scores groups in the background: `submit(group)` during generation, then `finish()`."""
+
+    def __init__(self, reward: CompositeReward):
+        self.reward = reward
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grouprl-rewards", daemon=True)
+        self._thread.start()
+        self._pending: list[tuple[list[Trajectory], Future]] = []
+        self._first_submit: float | None = None
+        self._last_done = 0.0
+
+    def submit(self, group: list[Trajectory]) -> None:
+        """Start scoring one finished group (its trajectories are scored in place)."""
+        if self._first_submit is None:
+            self._first_submit = time.perf_counter()
+        future = asyncio.run_coroutine_threadsafe(self._score(group), self._loop)
+        self._pending.append((group, future))
+
+    async def _score(self, group: list[Trajectory]) -> dict[str, float]:
+        metrics = await self.reward.ascore(group)
+        self._last_done = max(self._last_done, time.perf_counter())
+        return metrics
+
+    def finish(self, generation_end: float | None = None) -> dict[str, float]:
+        """Wait for every submitted group; the merged metrics of this batch. `generation_end`
+        (perf_counter) is when generation finished, for the hidden-time metrics."""
+        generation_end = time.perf_counter() if generation_end is None else generation_end
+        merged: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        trajectories: list[Trajectory] = []
+        for group, future in self._pending:
+            metrics = future.result()  # a reward component's fault is already a fallback, not raised
+            trajectories += group
+            for key, value in metrics.items():
+                if key.startswith("reward/") and not _is_count(key):
+                    continue  # recomputed over the whole batch below
+                if _is_count(key):
+                    merged[key] = merged.get(key, 0.0) + value
+                elif not math.isnan(value):  # a mean over the group: weight it by the group's size
+                    merged[key] = merged.get(key, 0.0) + value * len(group)
+                    weights[key] = weights.get(key, 0.0) + len(group)
+        for key, weight in weights.items():
+            merged[key] /= weight
+        merged.update(batch_summary(trajectories))
+        done = time.perf_counter()
+        start = self._first_submit if self._first_submit is not None else done
+        last = max(self._last_done, start)
+        merged["time/reward"] = max(0.0, done - generation_end)
+        merged["time/reward_span"] = last - start
+        merged["time/reward_hidden"] = max(0.0, min(generation_end, last) - start)
+        self._pending, self._first_submit, self._last_done = [], None, 0.0
+        return merged
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+def batch_summary(trajectories: list[Trajectory]) -> dict[str, float]:
+    """reward/<component>, reward/mean and reward/std (population) over `trajectories`; NaN
+    rewards (a judge that failed under on_failure=drop_group) are left out of the means."""
+    if not trajectories:
+        return {}
+    out = {}
+    for name in trajectories[0].rewards:
+        values = [t.rewards[name] for t in trajectories if not math.isnan(t.rewards[name])]
+        out[f"reward/{name}"] = float(np.mean(values)) if values else math.nan
+    rewards = np.array([t.reward for t in trajectories if not math.isnan(t.reward)])
+    out["reward/mean"] = float(rewards.mean()) if rewards.size else math.nan
+    out["reward/std"] = float(rewards.std()) if rewards.size else math.nan
+    return out

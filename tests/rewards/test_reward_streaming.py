@@ -1,0 +1,99 @@
+"""StreamingRewards: groups scored in the background while the caller keeps working, with the
+same rewards and metrics as scoring the whole batch at once."""
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from grouprl.data.sample import Sample
+from grouprl.rewards.composite import CompositeReward, RewardComponent
+from grouprl.rewards.streaming import StreamingRewards, batch_summary
+from grouprl.rollout.trajectory import Trajectory
+
+JUDGE_LATENCY = 0.2
+
+
+async def slow_judge(response):  # an API judge: waits, then scores the response length
+    await asyncio.sleep(JUDGE_LATENCY)
+    return len(response) / 10
+
+
+def length_parity(response):
+    return float(len(response) % 2)
+
+
+def batch(groups=4, n=3):
+    out = []
+    for g in range(groups):
+        sample = Sample(uid=f"u{g}", messages=[{"role": "user", "content": "q"}])
+        out.append(
+            [
+                Trajectory(sample=sample, index=j, prompt_ids=[1], response_text="x" * (g + j))
+                for j in range(n)
+            ]
+        )
+    return out
+
+
+def reward():
+    return CompositeReward(
+        [
+            RewardComponent("judge", slow_judge, weight=0.8),
+            RewardComponent("parity", length_parity, weight=0.2),
+        ]
+    )
+
+
+def test_groups_are_scored_while_generation_goes_on_and_match_whole_batch_scoring():
+    groups = batch()
+    streaming = StreamingRewards(reward())
+    try:
+        start = time.perf_counter()
+        for group in groups:  # "generation": a group finishes every 0.1 s
+            time.sleep(0.1)
+            streaming.submit(group)
+        generation_end = time.perf_counter()
+        metrics = streaming.finish(generation_end)
+        waited = time.perf_counter() - generation_end
+    finally:
+        streaming.close()
+    # the last group was submitted at the end: only its judge latency is left to wait for
+    assert waited < JUDGE_LATENCY + 0.1
+    assert metrics["time/reward"] == pytest.approx(waited, abs=0.02)
+    assert metrics["time/reward_hidden"] > 0.2  # three groups' judge calls ran during "generation"
+    assert metrics["time/reward_span"] >= 0.3 + JUDGE_LATENCY - 0.02
+    assert time.perf_counter() - start < 4 * 0.1 + JUDGE_LATENCY + 0.2  # not 4 x (0.1 + 0.2)
+
+    expected_trajectories = [t for g in batch() for t in g]
+    expected = reward().score(expected_trajectories)
+    scored = [t for g in groups for t in g]
+    assert [t.reward for t in scored] == pytest.approx([t.reward for t in expected_trajectories], abs=1e-12)
+    for key in ("reward/mean", "reward/std", "reward/judge", "reward/parity", "reward/errors"):
+        assert metrics[key] == pytest.approx(expected[key], abs=1e-12), key
+
+
+def test_counts_are_summed_over_groups():
+    def fails_on_short(response):
+        if len(response) < 2:
+            raise ValueError("too short")
+        return 1.0
+
+    streaming = StreamingRewards(CompositeReward([RewardComponent("rule", fails_on_short)]))
+    try:
+        for group in batch(groups=3, n=2):  # lengths 0,1 | 1,2 | 2,3: three failures
+            streaming.submit(group)
+        metrics = streaming.finish()
+    finally:
+        streaming.close()
+    assert metrics["reward/errors"] == 3 and metrics["reward/errors/rule"] == 3
+    assert metrics["reward/mean"] == pytest.approx(3 / 6)
+
+
+def test_batch_summary_leaves_nan_out():
+    groups = batch(groups=1, n=3)[0]
+    for t, r in zip(groups, [1.0, math.nan, 0.0]):
+        t.reward, t.rewards = r, {"judge": r}
+    summary = batch_summary(groups)
+    assert summary == {"reward/judge": 0.5, "reward/mean": 0.5, "reward/std": 0.5}
