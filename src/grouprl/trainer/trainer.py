@@ -329,9 +329,10 @@ class Trainer:
         curriculum = isinstance(self.sampler, OnlineCurriculum)
         if curriculum and c.curriculum.dynamic_filter:
             errors = metrics.get("reward/errors", 0.0)
-            group_rewards = lambda: [
-                [t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))
-            ]  # noqa: E731
+
+            def group_rewards() -> list[list[float]]:
+                return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
+
             while (
                 k := prompts_to_draw(group_rewards(), c.data.train_batch_size, c.curriculum.max_oversample)
             ) > 0:
