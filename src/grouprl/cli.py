@@ -1,4 +1,4 @@
-"""`grouprl <verb>`: train (with --dry-run / --explain), eval, curriculum, judge, version.
+"""`grouprl <verb>`: train (with --dry-run / --explain), eval, curriculum, judge, retriever, version.
 
 A mistake the user can make (a missing file, an unknown key, a bad value, an unreachable
 model) is printed as one line and exits with status 2; anything else is a bug and keeps its
@@ -157,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("items", nargs="*")
     ev.set_defaults(func=cmd_eval)
     from grouprl.curriculum.cli import add_parser as add_curriculum
+    from grouprl.retriever.cli import add_parser as add_retriever
     from grouprl.rewards.judges.cli import add_parser as add_judge
 
     add_curriculum(sub)  # grouprl curriculum build ...
     add_judge(sub)  # grouprl judge score ...
+    add_retriever(sub)  # grouprl retriever build | serve ...
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
     args = parser.parse_args(argv)

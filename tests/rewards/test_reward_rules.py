@@ -2,7 +2,7 @@ import doctest
 
 import pytest
 
-from grouprl.rewards import BUILTIN, rules
+from grouprl.rewards import BUILTIN, retrieval, rules
 from grouprl.rewards.rules import (
     contains_integer,
     correctness,
@@ -22,13 +22,17 @@ def test_doctests_pass():
     assert result.attempted >= 30  # the examples really ran
 
 
-def test_builtin_registry_names_every_rule():
+def test_builtin_registry_names_every_rule_and_retrieval_metric():
     assert BUILTIN == {
         "correctness": correctness,
         "strict_format": strict_format,
         "soft_format": soft_format,
         "xml_count": xml_count,
         "contains_integer": contains_integer,
+        "ndcg": retrieval.ndcg,
+        "recall": retrieval.recall,
+        "anls": retrieval.anls,
+        "exact_match": retrieval.exact_match,
     }
 
 

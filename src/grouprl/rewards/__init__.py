@@ -1,8 +1,8 @@
 """Scoring trajectories: rule rewards, user reward files, judges, and their weighted composite."""
 
 from grouprl.rewards.composite import CompositeReward, RewardComponent, groups_to_drop
-from grouprl.rewards.loader import load_reward_function
-from grouprl.rewards.rules import BUILTIN, extract_answer, extract_number
+from grouprl.rewards.loader import BUILTIN, load_reward_function
+from grouprl.rewards.rules import extract_answer, extract_number
 
 __all__ = [
     "BUILTIN",

@@ -8,7 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grouprl.errors import ConfigError
-from grouprl.rewards.rules import BUILTIN
+from grouprl.rewards.retrieval import RETRIEVAL_REWARDS
+from grouprl.rewards.rules import RULES
+
+# every built-in reward by name: rule rewards and retrieval metrics
+BUILTIN: dict[str, Callable] = {**RULES, **RETRIEVAL_REWARDS}
 
 
 def load_reward_function(spec: str) -> Callable:

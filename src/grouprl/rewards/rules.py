@@ -255,7 +255,7 @@ def contains_integer(response: str, ground_truth: Any = None, **kwargs) -> float
     return 1.0 if answer is not None and _INTEGER_LITERAL.fullmatch(answer) else 0.0
 
 
-BUILTIN: dict[str, Callable[..., float]] = {
+RULES: dict[str, Callable[..., float]] = {
     "correctness": correctness,
     "strict_format": strict_format,
     "soft_format": soft_format,
