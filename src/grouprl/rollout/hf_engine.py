@@ -4,6 +4,9 @@ EOS and stop strings, continuing from any token prefix.
 A group's n samples share one prompt, so the prompt is prefilled once and its KV cache is
 expanded n times (`share_prompt_prefill`); finished sequences leave the batch, so they stop
 costing compute.
+
+Multi-turn agents use `open_session`: a `KVSession` keeps every trajectory's KV cache between
+turns, so each turn prefills only the tokens appended since the last one.
 """
 
 from __future__ import annotations
@@ -76,7 +79,13 @@ class HFEngine:
     """RolloutEngine over a transformers model (works on CPU and GPU)."""
 
     def __init__(
-        self, model, tokenizer, *, share_prompt_prefill: bool = True, max_batch: int = 0, min_common_prefix: int = 16
+        self,
+        model,
+        tokenizer,
+        *,
+        share_prompt_prefill: bool = True,
+        max_batch: int = 0,
+        min_common_prefix: int = 16,
     ):
         self.model = model
         self.min_common_prefix = min_common_prefix
@@ -88,7 +97,12 @@ class HFEngine:
         if tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos_ids)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        )
+        # tokens fed to the model so far (real tokens, padding not counted): what KV reuse saves
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
 
     def _may_end_stop(self, token_id: int, stop_ends: set[str]) -> bool:
         """Cheap filter before decoding a tail: can this token's text end a stop string? Printable
@@ -122,7 +136,7 @@ class HFEngine:
         return out
 
     def _generate_chunk(self, prompts, n, params, generator) -> list[Generation]:
-        model, device = self.model, self.device
+        model = self.model
         was_training = model.training
         model.eval()
         if not self.share_prompt_prefill and n > 1:
@@ -130,6 +144,19 @@ class HFEngine:
             expand = 1
         else:
             expand = n
+        cache, logits, attention_mask, next_pos = self._prefill_prompts(prompts, expand)
+        tokens, finish = self._decode(cache, logits, attention_mask, next_pos, params, generator)
+        if was_training:
+            model.train()
+        return [
+            Generation(token_ids=t, text=self.tokenizer.decode(t, skip_special_tokens=True), finish_reason=f)
+            for t, f in zip(tokens, finish)
+        ]
+
+    def _prefill_prompts(self, prompts: list[list[int]], expand: int):
+        """Prefill `prompts` (each then repeated `expand` times) into a fresh cache.
+        -> (cache, logits [B*expand, V], attention_mask [B*expand, W], next_pos [B*expand])."""
+        model, device = self.model, self.device
         cache = DynamicCache()
         # Prompts of a batch often open alike (system prompt, worked example): that common
         # prefix is computed once and its cache shared by every row before the rest is prefilled.
@@ -158,6 +185,7 @@ class HFEngine:
             use_cache=True,
             logits_to_keep=1,
         )
+        self.prefill_tokens += common + sum(len(p) - common for p in prompts)
         logits = out.logits[:, -1, :]  # [B, V]
         next_pos = position_ids[:, -1] + 1  # [B]
         if expand > 1:  # one prefill per group, the cache expanded to the n samples
@@ -165,7 +193,16 @@ class HFEngine:
             logits = logits.repeat_interleave(expand, 0)
             attention_mask = attention_mask.repeat_interleave(expand, 0)
             next_pos = next_pos.repeat_interleave(expand, 0)
+        return cache, logits, attention_mask, next_pos
 
+    def _decode(self, cache, logits, attention_mask, next_pos, params, generator, on_done=None):
+        """Sample until every row has ended; rows that end leave the batch.
+
+        on_done(batch_rows, out_rows, cache, attention_mask), when given, is called with the rows
+        that have just ended (their positions in the current batch and in the output) while
+        their KV is still in `cache`; the cache then covers every token but each row's last.
+        -> (tokens per row, finish reason per row)."""
+        device = self.device
         total = logits.shape[0]
         tokens: list[list[int]] = [[] for _ in range(total)]
         finish = ["length"] * total
@@ -187,30 +224,142 @@ class HFEngine:
                     if any(s in tail for s in params.stop):
                         finish[idx] = "stop"
                         done_rows.append(row)
-            if step == params.max_new_tokens - 1:
+            last_step = step == params.max_new_tokens - 1
+            if on_done is not None and (done_rows or last_step):
+                ending = list(range(len(active))) if last_step else done_rows
+                on_done(ending, [int(active[r]) for r in ending], cache, attention_mask)
+            if last_step:
                 break
             if done_rows:
                 done = set(done_rows)
-                keep = torch.tensor([r for r in range(len(active)) if r not in done], dtype=torch.long, device=device)
+                keep = torch.tensor(
+                    [r for r in range(len(active)) if r not in done], dtype=torch.long, device=device
+                )
                 if keep.numel() == 0:
                     break
                 active, next_tokens = active[keep], next_tokens[keep]
                 attention_mask, next_pos = attention_mask[keep], next_pos[keep]
                 cache.batch_select_indices(keep)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
-            out = model(
+            out = self.model(
                 input_ids=next_tokens.unsqueeze(-1),
                 attention_mask=attention_mask,
                 position_ids=next_pos.unsqueeze(-1),
                 past_key_values=cache,
                 use_cache=True,
             )
+            self.decode_tokens += len(active)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
+        return tokens, finish
 
+    def open_session(self, prompts: list[list[int]], n: int) -> KVSession:
+        """A multi-turn session over the n samples of every prompt (rows prompt-major)."""
+        return KVSession(self, prompts, n)
+
+
+class KVSession:
+    """Rows (one per trajectory) whose KV caches live across generate calls, so that a later
+    turn feeds the model only the tokens appended since the row's last turn.
+
+    Between calls each row's cache is parked on its own, holes removed: per layer a
+    ([H, L, D] keys, values) pair for its L cached tokens, whose positions are 0..L-1. A call
+    lays the parked rows side by side, left-padded to the longest (the padding masked out),
+    prefills each row's new tokens right-aligned after it with position_ids continuing from
+    L, and decodes as `HFEngine.generate` does; a row that ends is parked again before it
+    leaves the batch. The last sampled token of a turn is never fed in that turn, so it opens
+    the row's next feed. Assumes full attention (no sliding window shorter than the context).
+    """
+
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int):
+        self.engine, self.prompts, self.n = engine, prompts, n
+        rows = len(prompts) * n
+        self.parked: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * rows
+        self.unfed: list[list[int]] = [list(prompts[r // n]) for r in range(rows)]  # context not in the cache
+        self.started = False
+
+    @torch.no_grad()
+    def generate(
+        self,
+        rows: list[int],
+        new_tokens: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Generation]:
+        """Append `new_tokens[i]` to row `rows[i]`'s context and sample its continuation."""
+        engine, model = self.engine, self.engine.model
+        was_training = model.training
+        model.eval()
+        if not self.started and rows == list(range(len(self.parked))) and not any(new_tokens):
+            expand = self.n if engine.share_prompt_prefill else 1
+            prompts = self.prompts if expand > 1 else [p for p in self.prompts for _ in range(self.n)]
+            batch = engine._prefill_prompts(prompts, expand)  # one prefill per group, as generate does
+        else:
+            batch = self._prefill_rows(rows, [self.unfed[r] + list(t) for r, t in zip(rows, new_tokens)])
+        self.started = True
+        for r in rows:
+            self.parked[r], self.unfed[r] = None, []  # now inside the batch cache
+
+        def park(batch_rows, out_rows, cache, attention_mask):
+            for b, i in zip(batch_rows, out_rows):
+                real = attention_mask[b].nonzero().squeeze(-1)  # [L] positions of the row's real tokens
+                self.parked[rows[i]] = [
+                    (layer.keys[b].index_select(1, real), layer.values[b].index_select(1, real))
+                    for layer in cache.layers
+                ]
+
+        tokens, finish = engine._decode(*batch, params, generator, on_done=park)
+        for r, t in zip(rows, tokens):
+            self.unfed[r] = t[-1:]
         if was_training:
             model.train()
         return [
-            Generation(token_ids=t, text=self.tokenizer.decode(t, skip_special_tokens=True), finish_reason=f)
+            Generation(
+                token_ids=t, text=engine.tokenizer.decode(t, skip_special_tokens=True), finish_reason=f
+            )
             for t, f in zip(tokens, finish)
         ]
+
+    def _prefill_rows(self, rows: list[int], feeds: list[list[int]]):
+        engine, device = self.engine, self.engine.device
+        parked = [self.parked[r] for r in rows]
+        lengths = torch.tensor([p[0][0].shape[1] if p else 0 for p in parked], device=device)  # [A]
+        cache = DynamicCache()
+        if int(lengths.max()) > 0:
+            template = next(p for p in parked if p)
+            layers = []
+            for j, (keys, values) in enumerate(template):
+                empty_k, empty_v = keys[:, :0], values[:, :0]
+                # [L, H, D] per row, left-padded to [A, W, H, D], back to [A, H, W, D]
+                pad = lambda ts: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
+                    [t.transpose(0, 1) for t in ts], batch_first=True, padding_side="left"
+                ).transpose(1, 2)
+                layers.append(
+                    (
+                        pad([p[j][0] if p else empty_k for p in parked]),
+                        pad([p[j][1] if p else empty_v for p in parked]),
+                    )
+                )
+            cache = DynamicCache(ddp_cache_data=layers)
+        width = int(lengths.max())
+        past_mask = (
+            torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+        ).long()  # [A, W]
+        feed_ids, feed_mask = left_pad(feeds, engine.pad_token_id, device)
+        attention_mask = torch.cat([past_mask, feed_mask], dim=-1)
+        position_ids = lengths[:, None] + (feed_mask.cumsum(-1) - 1).clamp(min=0)
+        out = engine.model(
+            input_ids=feed_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        engine.prefill_tokens += sum(len(f) for f in feeds)
+        return cache, out.logits[:, -1, :], attention_mask, position_ids[:, -1] + 1
+
+    def release(self, row: int) -> None:
+        """Drop a finished row's cache."""
+        self.parked[row] = None
+        self.unfed[row] = []

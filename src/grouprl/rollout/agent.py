@@ -1,0 +1,320 @@
+"""The multi-turn agent loop: the policy searches (and crops) for up to `max_turns` turns, a
+frozen generator answers, and only the policy's own tokens are trained.
+
+One turn, for every trajectory still running, batched:
+  generate until the closing tag of an action -> parse the action -> run the turn's tool calls
+  concurrently -> append the observation -> trajectories that finished leave the batch.
+
+Group replication happens before the loop: there is one `AgentState` per trajectory (B x n),
+nothing is indexed by the B prompts, so a state can never be looked up out of range.
+
+Token layout of one trajectory, loss mask under each piece; ids are appended, never
+re-tokenized from text:
+
+  prompt_ids | segment_1 | observation_1 | segment_2 | ... | segment_k | answer
+                   1            0              1                 1          0
+
+An observation is the chat template's own rendering of the end of the assistant turn, the
+observation message and the next generation prompt (see chat.py). The answer is written by a
+frozen generator after <search_complete> (answer.py), or by the policy itself as its last
+action when `answer_generator` is none (then it is a policy segment, mask 1).
+
+Trajectory.finish_reason: "complete" (<search_complete>, then the frozen answer), "answer" (the
+policy answered itself), or "length" when it never finished (out of turns or of
+`max_response_tokens`; `truncated` is then true, the turn record says which, and
+`on_unfinished` decides whether the frozen generator still answers).
+
+With `reuse_kv_cache` every trajectory keeps its KV cache between turns (hf_engine.KVSession)
+and a turn prefills only the observation; without it each turn re-prefills the conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from grouprl.config import AgentConfig
+from grouprl.data.prompts import encode_prompt
+from grouprl.data.sample import Sample
+from grouprl.rollout.actions import STOP_STRINGS, Action, parse_action
+from grouprl.rollout.agent_prompts import LAST_TURN, correction, protocol_prompt, with_protocol
+from grouprl.rollout.answer import AnswerGenerator, AnswerRequest, build_answer_generator
+from grouprl.rollout.chat import ChatRenderer
+from grouprl.rollout.hf_engine import Generation, HFEngine, SamplingParams
+from grouprl.rollout.tools.base import AgentState, Observation, Tool
+from grouprl.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+RECORD_CHARS = 300  # turn records keep this much of an argument or observation
+
+
+@dataclass
+class _Rollout:
+    """One trajectory under construction."""
+
+    state: AgentState
+    trajectory: Trajectory
+    text: list[str] = field(default_factory=list)  # response text pieces, observations marked
+    evidence: list[str] = field(default_factory=list)  # successful tool observations, for the answer
+    needs_answer: bool = False
+
+    def append(self, ids: list[int], mask: int, text: str) -> None:
+        self.trajectory.response_ids.extend(ids)
+        self.trajectory.loss_mask.extend([mask] * len(ids))
+        self.text.append(text)
+
+
+class AgentLoop:
+    """Runs the agent protocol over a batch of prompts (see the module docstring).
+
+    engine: the policy's HFEngine. tools: action tag -> Tool (e.g. {"search": ..., "bbox": ...}).
+    answer_generator: writes <answer> after <search_complete>; None = the one `cfg.answer_generator`
+    names (built here). With `answer_generator: none` the policy answers itself.
+    """
+
+    def __init__(
+        self,
+        engine: HFEngine,
+        tokenizer: Any,
+        tools: dict[str, Tool],
+        cfg: AgentConfig,
+        answer_generator: AnswerGenerator | None = None,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.cfg = cfg
+        self.self_answer = cfg.answer_generator == "none"
+        if answer_generator is None and not self.self_answer:
+            answer_generator = build_answer_generator(cfg, engine)
+        self.answer_generator = None if self.self_answer else answer_generator
+        self.chat = ChatRenderer(tokenizer, cfg.observation_role)
+        self.system_prompt = protocol_prompt("none" if self.self_answer else "frozen", cfg.system_prompt)
+        self.stats: dict[str, float] = {}  # the last run's counts, as metrics
+
+    def encode_prompts(self, samples: list[Sample]) -> list[list[int]]:
+        """Prompt ids with the protocol system prompt in front of each sample's messages."""
+        return [encode_prompt(self.tokenizer, with_protocol(s.messages, self.system_prompt)) for s in samples]
+
+    def run(
+        self,
+        samples: list[Sample],
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Trajectory]:
+        """n trajectories per prompt, prompt-major (prompt 0 samples 0..n-1, prompt 1 ...).
+        params.max_new_tokens bounds each turn."""
+        return asyncio.run(self.arun(samples, prompts, n, params, generator))
+
+    async def arun(self, samples, prompts, n, params, generator=None) -> list[Trajectory]:
+        rollouts = [
+            _Rollout(
+                AgentState(sample=samples[i], index=j),
+                Trajectory(sample=samples[i], index=j, prompt_ids=prompts[i]),
+            )
+            for i in range(len(samples))
+            for j in range(n)
+        ]
+        turn_params = replace(params, stop=list(dict.fromkeys([*params.stop, *STOP_STRINGS])))
+        session = self._session(prompts, n)
+        prefill_before = self.engine.prefill_tokens
+        active = list(range(len(rollouts)))
+        new_tokens: list[list[int]] = [[] for _ in rollouts]  # appended since the row's last turn
+
+        for turn in range(self.cfg.max_turns):
+            if not active:
+                break
+            generations = session.generate(active, [new_tokens[k] for k in active], turn_params, generator)
+            actions = [parse_action(g.text) for g in generations]
+            for k, g in zip(active, generations):
+                rollouts[k].append(g.token_ids, 1, g.text)
+            # every tool call of the turn at once: searches wait on I/O, not on each other
+            observations = await asyncio.gather(*(self._act(rollouts[k], a) for k, a in zip(active, actions)))
+
+            still_active = []
+            for k, g, action, obs in zip(active, generations, actions, observations):
+                r = rollouts[k]
+                r.state.turn += 1
+                r.trajectory.turns.append(_turn_record(turn, g, action, obs))
+                if r.state.finished:
+                    session.release(k)
+                    continue
+                if turn == self.cfg.max_turns - 1:
+                    self._unfinished(r, "max_turns")
+                    session.release(k)
+                    continue
+                ids, text = self._observation(obs, g, next_is_last=turn + 1 == self.cfg.max_turns - 1)
+                budget = self.cfg.max_response_tokens
+                if budget and len(r.trajectory.response_ids) + len(ids) >= budget:
+                    self._unfinished(r, "length")
+                    session.release(k)
+                    continue
+                r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
+                r.trajectory.turns[-1]["masked_tokens"] = len(ids)
+                new_tokens[k] = ids
+                still_active.append(k)
+            active = still_active
+
+        await self._write_answers([r for r in rollouts if r.needs_answer])
+        self.stats = _stats(rollouts, self.engine.prefill_tokens - prefill_before)
+        for r in rollouts:
+            r.trajectory.response_text = "".join(r.text)
+            r.trajectory.retrieved = list(r.state.retrieved_ids)
+        return [r.trajectory for r in rollouts]
+
+    # ------------------------------------------------------------------ one turn
+    def _session(self, prompts: list[list[int]], n: int):
+        if self.cfg.reuse_kv_cache:
+            return self.engine.open_session(prompts, n)
+        return _Reprefill(self.engine, prompts, n)
+
+    async def _act(self, r: _Rollout, action: Action) -> Observation | None:
+        """Carry out a turn's action: an observation to show next, or None when it ended the trajectory."""
+        state = r.state
+        if action.multiple:
+            state.count_error("multiple_actions")  # the first action is taken
+        if not action.valid:
+            state.count_error(action.error)
+            return Observation(correction(action.error, action.kind or ""), error=action.error)
+        if action.kind == "search_complete":
+            if self.self_answer:
+                return Observation(correction("answer_required"))
+            state.finished, state.finish_reason = True, "complete"
+            r.trajectory.finish_reason, r.needs_answer = "complete", True
+            return None
+        if action.kind == "answer":
+            if not self.self_answer:
+                state.count_error("answer_not_allowed")
+                return Observation(correction("answer_not_allowed"), error="answer_not_allowed")
+            state.finished, state.finish_reason = True, "answer"
+            r.trajectory.finish_reason = "answer"
+            return None
+        tool = self.tools.get(action.kind)
+        if tool is None:
+            state.count_error("unknown_action")
+            return Observation(correction("unknown_action", action.kind), error="unknown_action")
+        try:
+            obs = await tool(action.argument, state)
+        except Exception as e:  # noqa: BLE001 - one broken call must not end the whole batch
+            log.exception("the %s tool raised", action.kind)
+            obs = Observation(f"The <{action.kind}> action failed.", error=f"{type(e).__name__}")
+        if obs.error:
+            state.count_error(f"{action.kind}_error")
+        else:
+            r.evidence.append(obs.text)
+        return obs
+
+    def _observation(self, obs: Observation, g: Generation, next_is_last: bool) -> tuple[list[int], str]:
+        """Token ids (template rendering) and text of the observation that follows a segment."""
+        text = self._clip(obs.text)
+        if next_is_last:
+            text += "\n\n" + LAST_TURN["answer" if self.self_answer else "complete"]
+        closing = g.token_ids[-1] if g.finish_reason == "eos" and g.token_ids else None
+        return self.chat.observation_ids(text, closing_token=closing), text
+
+    def _clip(self, text: str) -> str:
+        limit = self.cfg.max_observation_tokens
+        if not limit:
+            return text
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit]) + " [...]"
+
+    def _unfinished(self, r: _Rollout, reason: str) -> None:
+        """Out of turns or tokens: flagged truncated; the frozen generator may still answer."""
+        r.state.finished, r.state.finish_reason = True, reason
+        r.trajectory.finish_reason = "length"
+        r.needs_answer = not self.self_answer and self.cfg.on_unfinished == "answer"
+        r.trajectory.turns[-1]["unfinished"] = reason
+
+    # ------------------------------------------------------------------ the frozen answer
+    async def _write_answers(self, rollouts: list[_Rollout]) -> None:
+        if not rollouts or self.answer_generator is None:
+            return
+        requests = [AnswerRequest(_question(r.state.sample), r.evidence) for r in rollouts]
+        results = await self.answer_generator.answer(requests)
+        for r, result in zip(rollouts, results):
+            record = {"turn": r.state.turn, "action": "answer", "generator": self.cfg.answer_generator}
+            if result.error:
+                r.state.count_error("answer_error")
+                ids = self.chat.observation_ids(result.error)
+                r.append(ids, 0, f"\n<observation>\n{result.error}\n</observation>\n")
+                record.update(
+                    argument="", observation=result.error, error="answer_error", masked_tokens=len(ids)
+                )
+            else:
+                ids = self.tokenizer("\n" + result.text, add_special_tokens=False)["input_ids"]
+                r.append(ids, 0, "\n" + result.text)
+                record.update(
+                    argument=result.text[:RECORD_CHARS], observation="", error=None, masked_tokens=len(ids)
+                )
+            record["tokens"] = 0
+            r.trajectory.turns.append(record)
+
+
+class _Reprefill:
+    """Turn generation without KV reuse: every turn feeds each conversation whole."""
+
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int):
+        self.engine, self.prompts, self.n = engine, prompts, n
+        self.contexts = [list(prompts[k // n]) for k in range(len(prompts) * n)]
+        self.started = False
+
+    def generate(self, rows, new_tokens, params, generator) -> list[Generation]:
+        for k, ids in zip(rows, new_tokens):
+            self.contexts[k].extend(ids)
+        if not self.started and rows == list(range(len(self.contexts))):  # one prefill per group
+            generations = self.engine.generate(self.prompts, self.n, params, generator)
+        else:
+            generations = self.engine.generate([self.contexts[k] for k in rows], 1, params, generator)
+        self.started = True
+        for k, g in zip(rows, generations):
+            self.contexts[k].extend(g.token_ids)
+        return generations
+
+    def release(self, row: int) -> None:
+        self.contexts[row] = []
+
+
+def _turn_record(turn: int, g: Generation, action: Action, obs: Observation | None) -> dict[str, Any]:
+    return {
+        "turn": turn,
+        "action": action.kind,
+        "argument": action.argument[:RECORD_CHARS],
+        "observation": obs.text[:RECORD_CHARS] if obs else "",
+        "error": action.error or (obs.error if obs else None),
+        "tokens": len(g.token_ids),  # policy tokens (loss mask 1)
+        "masked_tokens": 0,  # tokens appended after them with loss mask 0 (the observation)
+        "finish_reason": g.finish_reason,
+        "images": len(obs.images) if obs else 0,
+    }
+
+
+def _question(sample: Sample) -> str:
+    """The text of the sample's last user message."""
+    for message in reversed(sample.messages):
+        if message.get("role") == "user":
+            content = message.get("content", "")
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return str(content)
+    return ""
+
+
+def _stats(rollouts: list[_Rollout], prefill_tokens: int) -> dict[str, float]:
+    total = max(len(rollouts), 1)
+    stats = {
+        "agent/turns_mean": sum(r.state.turn for r in rollouts) / total,
+        "agent/finished_frac": sum(r.trajectory.finish_reason != "length" for r in rollouts) / total,
+        "agent/prefill_tokens": float(prefill_tokens),
+    }
+    for r in rollouts:
+        for kind, count in r.state.errors.items():
+            stats[f"agent/errors/{kind}"] = stats.get(f"agent/errors/{kind}", 0.0) + count
+    return stats
