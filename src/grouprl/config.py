@@ -268,6 +268,8 @@ class RewardConfig:
     """Value given to a component that raises or returns NaN/inf (counted in reward/errors)."""
     val_metric: str = "correctness"
     """Component reported as evaluation accuracy and used for best-model saving."""
+    streaming: bool = True
+    """Score each group as soon as its n samples finish, while the other groups still generate."""
     judges: list[JudgeConfig] = field(default_factory=list)
     """LLM/VLM judges; a component uses one with function `judge:<name>`."""
 

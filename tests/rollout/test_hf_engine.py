@@ -305,3 +305,33 @@ def test_top_k_and_top_p_draws_stay_inside_the_kept_set():
     expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15], dtype=torch.float64) / 0.85
     assert counts[0] == 0 and counts[2] == 0
     torch.testing.assert_close(counts, expected, rtol=0, atol=0.015)  # ~5 standard errors
+
+
+@pytest.mark.parametrize("share_prompt_prefill", [True, False])
+def test_on_group_done_reports_each_group_once_as_soon_as_its_samples_end(
+    model_and_tokenizer, prompts, alone, share_prompt_prefill
+):
+    """Group 0 stops after a few tokens (a stop string from its own greedy text), the others
+    run to max_new_tokens: group 0 is reported first, while the others still decode, and every
+    report equals the final output of that group."""
+    model, tokenizer = model_and_tokenizer
+    stop = tokenizer.decode(alone[0])[2:4]
+    engine = HFEngine(model, tokenizer, share_prompt_prefill=share_prompt_prefill)
+    sampling = SamplingParams(max_new_tokens=GREEDY.max_new_tokens, temperature=0.0, stop=[stop])
+    reports = []
+    decode_calls = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: decode_calls.append(1), with_kwargs=True)
+
+    def on_group_done(group, generations):
+        reports.append((group, generations, len(decode_calls)))
+
+    try:
+        out = engine.generate(prompts, 2, sampling, on_group_done=on_group_done)
+    finally:
+        hook.remove()
+    assert sorted(g for g, _, _ in reports) == list(range(len(prompts)))  # each group exactly once
+    first_group, first_generations, calls_then = reports[0]
+    assert first_group == 0 and all(g.finish_reason == "stop" for g in first_generations)
+    assert calls_then < len(decode_calls)  # reported while the other groups kept decoding
+    for group, generations, _ in reports:
+        assert generations == out[2 * group : 2 * group + 2]

@@ -11,6 +11,7 @@ turns, so each turn prefills only the tokens appended since the last one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -124,18 +125,29 @@ class HFEngine:
         n: int,
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        on_group_done: Callable[[int, list[Generation]], None] | None = None,
     ) -> list[Generation]:
         """Sample n continuations of every prompt; output order is prompt-major
-        (prompt 0 samples 0..n-1, prompt 1 ...)."""
+        (prompt 0 samples 0..n-1, prompt 1 ...). `on_group_done(i, generations)` is called as
+        soon as prompt i's n samples have all ended (e.g. to start scoring them) while the
+        other prompts are still decoding."""
         if not prompts:
             return []
         per_call = max(1, self.max_batch // n) if self.max_batch else len(prompts)
         out: list[Generation] = []
         for start in range(0, len(prompts), per_call):
-            out.extend(self._generate_chunk(prompts[start : start + per_call], n, params, generator))
+            chunk = prompts[start : start + per_call]
+            out.extend(self._generate_chunk(chunk, n, params, generator, on_group_done, start))
         return out
 
-    def _generate_chunk(self, prompts, n, params, generator) -> list[Generation]:
+    def _generation(self, token_ids: list[int], finish_reason: str) -> Generation:
+        return Generation(
+            token_ids=token_ids,
+            text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            finish_reason=finish_reason,
+        )
+
+    def _generate_chunk(self, prompts, n, params, generator, on_group_done=None, group_offset=0) -> list[Generation]:
         model = self.model
         was_training = model.training
         model.eval()
@@ -145,13 +157,26 @@ class HFEngine:
         else:
             expand = n
         cache, logits, attention_mask, next_pos = self._prefill_prompts(prompts, expand)
-        tokens, finish = self._decode(cache, logits, attention_mask, next_pos, params, generator)
+        total = logits.shape[0]  # rows are prompt-major either way: row r belongs to group r // n
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        finish = ["length"] * total
+        done: dict[int, Generation] = {}
+        on_done = None
+        if on_group_done is not None:
+            remaining = [n] * (total // n)
+
+            def on_done(batch_rows, out_rows, cache, attention_mask):
+                for r in out_rows:
+                    done[r] = self._generation(tokens[r], finish[r])
+                    remaining[r // n] -= 1
+                    if remaining[r // n] == 0:
+                        g = r // n
+                        on_group_done(group_offset + g, [done[k] for k in range(g * n, (g + 1) * n)])
+
+        self._decode(cache, logits, attention_mask, next_pos, params, generator, on_done, tokens, finish)
         if was_training:
             model.train()
-        return [
-            Generation(token_ids=t, text=self.tokenizer.decode(t, skip_special_tokens=True), finish_reason=f)
-            for t, f in zip(tokens, finish)
-        ]
+        return [done.get(r) or self._generation(t, f) for r, (t, f) in enumerate(zip(tokens, finish))]
 
     def _prefill_prompts(self, prompts: list[list[int]], expand: int):
         """Prefill `prompts` (each then repeated `expand` times) into a fresh cache.
@@ -195,17 +220,20 @@ class HFEngine:
             next_pos = next_pos.repeat_interleave(expand, 0)
         return cache, logits, attention_mask, next_pos
 
-    def _decode(self, cache, logits, attention_mask, next_pos, params, generator, on_done=None):
+    def _decode(
+        self, cache, logits, attention_mask, next_pos, params, generator, on_done=None, tokens=None, finish=None
+    ):
         """Sample until every row has ended; rows that end leave the batch.
 
         on_done(batch_rows, out_rows, cache, attention_mask), when given, is called with the rows
         that have just ended (their positions in the current batch and in the output) while
         their KV is still in `cache`; the cache then covers every token but each row's last.
+        `tokens` / `finish`, when given, are filled in place (so on_done can read them).
         -> (tokens per row, finish reason per row)."""
         device = self.device
         total = logits.shape[0]
-        tokens: list[list[int]] = [[] for _ in range(total)]
-        finish = ["length"] * total
+        tokens = [[] for _ in range(total)] if tokens is None else tokens
+        finish = ["length"] * total if finish is None else finish
         active = torch.arange(total, device=device)  # rows of the full batch still generating
         stop_window = max((len(s) for s in params.stop), default=0) + 8
         stop_ends = {s[-1] for s in params.stop if s}

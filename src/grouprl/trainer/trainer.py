@@ -14,6 +14,7 @@ import os
 import random
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,11 @@ from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
 from grouprl.rewards.composite import groups_to_drop
-from grouprl.rewards.streaming import batch_summary
+from grouprl.rewards.streaming import StreamingRewards, batch_summary
+from grouprl.rollout.agent import AgentLoop
+from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
 from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.tools.factory import build_tools
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from grouprl.trainer.export import export_model
@@ -121,6 +125,14 @@ class Trainer:
         self.model = load_causal_lm(cfg.model, model_path, self.device, self.dtype)
         self.is_lora = cfg.model.lora.rank > 0
 
+        # an agent's prompts carry the tag protocol as their system message
+        self.agent_prompt = (
+            protocol_prompt(
+                "none" if cfg.agent.answer_generator == "none" else "frozen", cfg.agent.system_prompt
+            )
+            if cfg.agent.enabled
+            else None
+        )
         self.train_prompts, self.prompt_stats = self._encode(self.train_samples, "training")
         self.val_prompts, _ = self._encode(self.val_samples, "held-out")
         if cfg.data.sampler == "curriculum":  # draws by difficulty bucket, learns from each group
@@ -146,6 +158,13 @@ class Trainer:
             share_prompt_prefill=cfg.rollout.share_prompt_prefill,
             max_batch=cfg.rollout.gen_batch_size,
         )
+        self.agent = (
+            AgentLoop(self.engine, self.tokenizer, build_tools(cfg.agent), cfg.agent)
+            if cfg.agent.enabled
+            else None
+        )
+        # groups are scored in the background while the rest of the batch generates
+        self.streaming = StreamingRewards(self.reward) if cfg.reward.streaming else None
         self.updater = PolicyUpdater(
             cfg.actor,
             temperature=cfg.rollout.temperature,
@@ -175,7 +194,8 @@ class Trainer:
         prompts: list[list[int] | None] = []
         skipped = truncated = 0
         for s in samples:
-            ids = encode_prompt(self.tokenizer, s.messages)
+            messages = with_protocol(s.messages, self.agent_prompt) if self.agent_prompt else s.messages
+            ids = encode_prompt(self.tokenizer, messages)
             fitted = fit_prompt(ids, d.max_prompt_length, d.prompt_overflow)
             if fitted is None:
                 skipped += 1
@@ -267,27 +287,49 @@ class Trainer:
         )
 
     def rollout(
-        self, samples: list[Sample], prompts: list[list[int]], n: int, evaluation=False
+        self,
+        samples: list[Sample],
+        prompts: list[list[int]],
+        n: int,
+        evaluation=False,
+        on_group: Callable[[list[Trajectory]], None] | None = None,
     ) -> list[Trajectory]:
+        """n trajectories per prompt, prompt-major; `on_group(group)` gets each prompt's n
+        trajectories as soon as they are all complete (streaming rewards)."""
         # evaluation draws from its own stream, so evaluating does not change what training samples
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 1) if evaluation else self.generator
-        with autocast(self.device, self.compute_dtype):
-            generations = self.engine.generate(prompts, n, self.sampling_params(evaluation), generator)
-        trajectories = []
-        for k, gen in enumerate(generations):
+        params = self.sampling_params(evaluation)
+        if self.agent is not None:
+            with autocast(self.device, self.compute_dtype):
+                trajectories = self.agent.run(samples, prompts, n, params, generator)
+            if on_group is not None:
+                for g in range(len(samples)):
+                    on_group(trajectories[g * n : (g + 1) * n])
+            return trajectories
+
+        made: dict[int, Trajectory] = {}
+
+        def make(k: int, gen) -> Trajectory:
             i, j = divmod(k, n)
-            trajectories.append(
-                Trajectory(
-                    sample=samples[i],
-                    index=j,
-                    prompt_ids=prompts[i],
-                    response_ids=gen.token_ids,
-                    loss_mask=[1] * len(gen.token_ids),
-                    response_text=gen.text,
-                    finish_reason=gen.finish_reason,
-                )
+            made[k] = Trajectory(
+                sample=samples[i],
+                index=j,
+                prompt_ids=prompts[i],
+                response_ids=gen.token_ids,
+                loss_mask=[1] * len(gen.token_ids),
+                response_text=gen.text,
+                finish_reason=gen.finish_reason,
             )
-        return trajectories
+            return made[k]
+
+        def group_done(i: int, generations) -> None:
+            on_group([make(i * n + j, gen) for j, gen in enumerate(generations)])
+
+        with autocast(self.device, self.compute_dtype):
+            generations = self.engine.generate(
+                prompts, n, params, generator, on_group_done=group_done if on_group is not None else None
+            )
+        return [made.get(k) or make(k, gen) for k, gen in enumerate(generations)]
 
     def _next_prompts(self, extra: int = 0) -> tuple[list[Sample], list[list[int]]]:
         """The step's prompts, or `extra` more of them (dynamic filtering) from the curriculum."""
@@ -313,15 +355,25 @@ class Trainer:
         """Generate and score the step's groups. With curriculum.dynamic_filter, over-sample prompts
         (at most max_oversample x B) and keep B groups whose rewards are not all equal."""
         c, n = self.cfg, self.cfg.rollout.n_agent
-        clock = {"generate": 0.0, "reward": 0.0}
+        clock = {"generate": 0.0, "reward": 0.0, "reward_hidden": 0.0}
 
         def generate_and_score(samples, prompts):
             t0 = time.perf_counter()
-            trajectories = self.rollout(samples, prompts, n)
-            t1 = time.perf_counter()
-            metrics = self.reward.score(trajectories)
+            if self.streaming is not None:
+                trajectories = self.rollout(samples, prompts, n, on_group=self.streaming.submit)
+                t1 = time.perf_counter()
+                metrics = self.streaming.finish(t1)
+                clock["reward_hidden"] += metrics.pop("time/reward_hidden")
+                metrics.pop("time/reward_span")
+                clock["reward"] += metrics.pop("time/reward")
+            else:
+                trajectories = self.rollout(samples, prompts, n)
+                t1 = time.perf_counter()
+                metrics = self.reward.score(trajectories)
+                clock["reward"] += time.perf_counter() - t1
             clock["generate"] += t1 - t0
-            clock["reward"] += time.perf_counter() - t1
+            if self.agent is not None:
+                metrics.update(self.agent.stats)
             return trajectories, metrics
 
         samples, prompts = self._next_prompts()
@@ -369,6 +421,8 @@ class Trainer:
             metrics["batch/dropped_groups"] = float(len(dropped))
             self.counters["dropped_groups"] += len(dropped)
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
+        if self.streaming is not None:  # reward work that overlapped generation (not waited for)
+            metrics["time/reward_hidden"] = clock["reward_hidden"]
         return samples, prompts, trajectories, metrics
 
     # ------------------------------------------------------------------ one step
@@ -594,6 +648,9 @@ class Trainer:
                 lg.close()
             if rollouts:
                 rollouts.close()
+            if self.streaming is not None:
+                self.streaming.close()
+                self.streaming = None
             self.reward.close()
         summary = self.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
