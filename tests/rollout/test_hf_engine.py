@@ -121,7 +121,9 @@ def test_real_eos_ends_a_row_and_is_kept(model_and_tokenizer, prompts):
             assert g.finish_reason == "length" and len(g.token_ids) == 10
 
 
-def test_eos_rows_leave_the_batch_without_changing_the_others(model_and_tokenizer, prompts, alone, monkeypatch):
+def test_eos_rows_leave_the_batch_without_changing_the_others(
+    model_and_tokenizer, prompts, alone, monkeypatch
+):
     """Make a token that greedy decoding reaches at different steps in different prompts an EOS
     token: each row must stop right after its first occurrence, and every row must still equal
     its alone-generated continuation (finished rows dropping out of the KV cache change nothing)."""
@@ -275,17 +277,23 @@ def test_top_p_at_an_exact_mass_boundary(monkeypatch):
     logits = torch.zeros(1, 4)  # probabilities exactly 0.25: cumulative mass 0.5 is exact in float
     sample_next(logits, SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(0))
     assert int((spy.probs[0] > 0).sum()) == 2
-    torch.testing.assert_close(spy.probs[0].sort(descending=True).values, torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        spy.probs[0].sort(descending=True).values, torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    )
 
 
 def test_top_k_masks_all_but_the_k_largest_and_combines_with_top_p(monkeypatch):
     spy = MultinomialSpy(monkeypatch)
     logits = torch.tensor([PROBS]).log()
     sample_next(logits, SamplingParams(temperature=1.0, top_k=3), None)
-    torch.testing.assert_close(spy.probs[0], torch.tensor([[0.0, 0.4, 0.0, 0.3, 0.15]]) / 0.85, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        spy.probs[0], torch.tensor([[0.0, 0.4, 0.0, 0.3, 0.15]]) / 0.85, rtol=0, atol=1e-6
+    )
     # top-k first (0.4, 0.3, 0.15 renormalised: .47 .35 .18), then top-p 0.8 keeps the first two
     sample_next(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.8), None)
-    torch.testing.assert_close(spy.probs[1], torch.tensor([[0.0, 0.4, 0.0, 0.3, 0.0]]) / 0.7, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        spy.probs[1], torch.tensor([[0.0, 0.4, 0.0, 0.3, 0.0]]) / 0.7, rtol=0, atol=1e-6
+    )
 
 
 def test_temperature_divides_logits_and_zero_is_argmax(monkeypatch):
@@ -300,7 +308,9 @@ def test_temperature_divides_logits_and_zero_is_argmax(monkeypatch):
 def test_top_k_and_top_p_draws_stay_inside_the_kept_set():
     """Many draws: only kept tokens ever appear, each about as often as its renormalised mass."""
     logits = torch.tensor([PROBS]).log().expand(20000, -1)
-    draws = sample_next(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.75), torch.Generator().manual_seed(0))
+    draws = sample_next(
+        logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.75), torch.Generator().manual_seed(0)
+    )
     counts = torch.bincount(draws, minlength=5).double() / draws.numel()
     expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15], dtype=torch.float64) / 0.85
     assert counts[0] == 0 and counts[2] == 0

@@ -4,13 +4,13 @@ observations in the response with loss mask 0, and an update on the policy's own
 import json
 
 import pytest
-from retriever.sample_index import shared_embedder, write_corpus
 from tiny import LOWER_FRACTION, tiny_model_dir, write_run_config
 
 from grouprl.config import load_config
 from grouprl.errors import ConfigError
 from grouprl.retriever.index import build_index
 from grouprl.trainer.trainer import Trainer
+from retriever.sample_index import shared_embedder, write_corpus
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,9 @@ class HFEngine:
             finish_reason=finish_reason,
         )
 
-    def _generate_chunk(self, prompts, n, params, generator, on_group_done=None, group_offset=0) -> list[Generation]:
+    def _generate_chunk(
+        self, prompts, n, params, generator, on_group_done=None, group_offset=0
+    ) -> list[Generation]:
         model = self.model
         was_training = model.training
         model.eval()
@@ -221,7 +223,16 @@ class HFEngine:
         return cache, logits, attention_mask, next_pos
 
     def _decode(
-        self, cache, logits, attention_mask, next_pos, params, generator, on_done=None, tokens=None, finish=None
+        self,
+        cache,
+        logits,
+        attention_mask,
+        next_pos,
+        params,
+        generator,
+        on_done=None,
+        tokens=None,
+        finish=None,
     ):
         """Sample until every row has ended; rows that end leave the batch.
 
