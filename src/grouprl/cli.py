@@ -1,4 +1,4 @@
-"""`grouprl <verb>`: train (with --dry-run / --explain), eval, curriculum, judge, retriever, version.
+"""`grouprl <verb>`: train (with --dry-run / --explain), eval, sft, curriculum, judge, retriever, version.
 
 A mistake the user can make (a missing file, an unknown key, a bad value, an unreachable
 model) is printed as one line and exits with status 2; anything else is a bug and keeps its
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     from grouprl.curriculum.cli import add_parser as add_curriculum
     from grouprl.retriever.cli import add_parser as add_retriever
     from grouprl.rewards.judges.cli import add_parser as add_judge
+    from grouprl.trainer.sft_cli import add_parser as add_sft
 
+    add_sft(sub)  # grouprl sft [config.yaml] [overrides]: supervised warm start
     add_curriculum(sub)  # grouprl curriculum build ...
     add_judge(sub)  # grouprl judge score ...
     add_retriever(sub)  # grouprl retriever build | serve ...

@@ -495,10 +495,8 @@ class SFTConfig:
     """With LoRA: save the merged model (loads with plain from_pretrained) instead of the adapters."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """console, jsonl, wandb, tensorboard (the last two only when installed)."""
-    optim: OptimConfig = field(
-        default_factory=lambda: OptimConfig(lr=1e-4, warmup_ratio=0.1, scheduler="cosine", min_lr_ratio=0.1)
-    )
-    """Optimizer and schedule of the fine-tuning (trainer.device and the `model` section apply too)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule (set lr: 1e-6 is RL's default; SFT wants ~1e-4). trainer.device and `model` apply too."""
 
 
 @dataclass

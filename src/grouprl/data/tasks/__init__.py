@@ -6,10 +6,12 @@ from collections.abc import Callable
 
 from grouprl.data.sample import Sample
 from grouprl.data.tasks.arithmetic import make_arithmetic
+from grouprl.data.tasks.slides import make_slides
 from grouprl.errors import ConfigError
 
 TASKS: dict[str, Callable[..., list[Sample]]] = {
     "arithmetic": make_arithmetic,
+    "slides": make_slides,
 }
 
 

@@ -1,0 +1,382 @@
+"""Supervised fine-tuning on conversations (`grouprl sft`): the warm start that teaches a policy
+the agent protocol before RL.
+
+loss = mean negative log-likelihood over the trained tokens of a batch (assistant contents and
+their end-of-turn token; see `sft_data`), summed over micro-batches with each micro-batch's NLL
+divided by the batch's token count, so accumulation gives the same gradient as one big batch.
+The LM head runs only at trained positions, in chunks, so no [tokens, vocab] tensor is made for
+prompts or observations. Each batch is sorted by length before it is cut into micro-batches.
+
+Output: `<sft.output_dir>/model` (save_pretrained + tokenizer: `model.path` for the RL phase),
+`metrics.jsonl` (train/loss per step, eval/loss), `samples.jsonl` (greedy first turns on
+held-out prompts before and after training).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from grouprl.config import Config, SFTConfig, to_dict
+from grouprl.errors import ConfigError
+from grouprl.trainer.export import export_model
+from grouprl.trainer.loggers import ConsoleLogger, make_loggers
+from grouprl.trainer.logprobs import chunked_token_stats
+from grouprl.trainer.models import (
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from grouprl.trainer.optim import build_optimizer, build_scheduler
+from grouprl.trainer.sft_data import Conversation, TokenizedConversation, load_conversations, tokenize_all
+
+log = logging.getLogger(__name__)
+
+SFT_TASKS = ("slides",)
+# A first turn in the protocol: optional think, then one action tag.
+PROTOCOL_TURN = re.compile(
+    r"^\s*(<think>.*?</think>\s*)?(<search>.+?</search>|<bbox>.+?</bbox>|<search_complete>.+?</search_complete>)\s*$",
+    re.DOTALL,
+)
+CONSOLE_KEYS = [("train/loss", "loss"), ("eval/loss", "eval"), ("train/lr", "lr"), ("time/step", "s/step")]
+
+
+def validate_sft(s: SFTConfig) -> None:
+    """Impossible sft settings, one line each (before any model loads)."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(
+        bool(s.train_files) or s.task in SFT_TASKS,
+        f"config key 'sft.task' must be one of {', '.join(SFT_TASKS)} when sft.train_files is empty, got {s.task!r}",
+    )
+    for key in (
+        "epochs",
+        "batch_size",
+        "micro_batch_size",
+        "max_length",
+        "logits_chunk_size",
+        "preview_max_tokens",
+    ):
+        need(getattr(s, key) >= 1, f"config key 'sft.{key}' must be >= 1, got {getattr(s, key)!r}")
+    for key in (
+        "max_steps",
+        "eval_freq",
+        "eval_max_conversations",
+        "preview_samples",
+        "task_val_size",
+        "optim.warmup_steps",
+    ):
+        value = getattr(s.optim, key[6:]) if key.startswith("optim.") else getattr(s, key)
+        need(value >= 0, f"config key 'sft.{key}' must be >= 0, got {value!r}")
+    need(s.task_train_size >= 1, f"config key 'sft.task_train_size' must be >= 1, got {s.task_train_size!r}")
+    need(s.optim.lr > 0, "config key 'sft.optim.lr' must be > 0")
+    need(0 <= s.optim.warmup_ratio < 1, "config key 'sft.optim.warmup_ratio' must be in [0, 1)")
+    need(0 <= s.optim.min_lr_ratio <= 1, "config key 'sft.optim.min_lr_ratio' must be in [0, 1]")
+    if s.optim.lr < 1e-5:
+        log.warning(
+            "sft.optim.lr=%g is an RL-sized step; supervised fine-tuning usually wants 1e-5..1e-4", s.optim.lr
+        )
+    for name in s.loggers:
+        need(
+            name in ("console", "jsonl", "wandb", "tensorboard"),
+            f"config key 'sft.loggers' may hold console, jsonl, wandb, tensorboard, got {name!r}",
+        )
+
+
+def describe_sft(cfg: Config) -> list[str]:
+    """What `grouprl sft` would do, without loading a model or writing data."""
+    s = cfg.sft
+    if s.train_files:
+        data = f"data: {', '.join(s.train_files)}" + (
+            f" (held-out: {', '.join(s.val_files)})" if s.val_files else ""
+        )
+    else:
+        folder = s.task_dir or str(Path(s.output_dir) / "data")
+        data = (
+            f"data: built-in task '{s.task}' (seed {s.task_seed}): {s.task_train_size} train / "
+            f"{s.task_val_size} held-out gold trajectories, written to {folder}"
+        )
+    steps = f"{s.max_steps} steps" if s.max_steps else f"{s.epochs} epoch(s)"
+    accumulation = math.ceil(s.batch_size / s.micro_batch_size)
+    lora = f" + LoRA r={cfg.model.lora.rank}" if cfg.model.lora.rank else ""
+    return [
+        data,
+        f"policy: {cfg.model.path}{lora} on {cfg.trainer.device} ({cfg.model.dtype})",
+        f"run: {steps}, {s.batch_size} conversations a step in {accumulation} micro-batch(es) of "
+        f"{s.micro_batch_size}, max {s.max_length} tokens ({s.overflow})",
+        f"lr: {s.optim.lr:g} ({s.optim.scheduler}, warm-up {s.optim.warmup_steps or f'{s.optim.warmup_ratio:.0%}'}), "
+        f"grad clip {s.optim.grad_clip:g}",
+        f"output: {Path(s.output_dir) / 'model'} (+ metrics.jsonl, samples.jsonl)",
+    ]
+
+
+def load_sft_conversations(s: SFTConfig) -> tuple[list[Conversation], list[Conversation]]:
+    """Training and held-out conversations: from files, or the task's gold trajectories (written first)."""
+    if s.train_files:
+        return load_conversations(s.train_files), (load_conversations(s.val_files) if s.val_files else [])
+    from grouprl.data.tasks.slides_files import write_slides_task
+
+    folder = Path(s.task_dir) if s.task_dir else Path(s.output_dir) / "data"
+    files = write_slides_task(folder, s.task_seed, s.task_train_size, s.task_val_size)
+    val = load_conversations([str(files.sft_val)]) if s.task_val_size else []
+    return load_conversations([str(files.sft_train)]), val
+
+
+# -- the loss -----------------------------------------------------------------------------
+def pad_right(rows: list[TokenizedConversation], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """ids, attention mask and loss mask, each [N, W], right-padded to the longest row."""
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r.input_ids)
+        ids[i, :n] = torch.tensor(r.input_ids)
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(r.loss_mask)
+    return ids.to(device), attention.to(device), loss_mask.to(device)
+
+
+def nll_sum(
+    model, rows: list[TokenizedConversation], pad_id: int, chunk_size: int = 256
+) -> tuple[torch.Tensor, int]:
+    """Summed NLL of the trained tokens of `rows`, and how many there are. Differentiable."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # through peft
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    device = next(model.parameters()).device
+    ids, attention, loss_mask = pad_right(rows, pad_id, device)
+    hidden = decoder(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state  # [N, W, H]
+    targets_mask = loss_mask[:, 1:].bool()  # token t is predicted by position t - 1
+    predictors = hidden[:, :-1][targets_mask]  # [M, H]
+    targets = ids[:, 1:][targets_mask]  # [M]
+    log_probs, _ = chunked_token_stats(predictors, targets, head, chunk_size=chunk_size)
+    return -log_probs.sum(), int(targets.numel())
+
+
+def micro_batches(rows: list[TokenizedConversation], size: int) -> list[list[TokenizedConversation]]:
+    """Longest first, then cut: rows of like length share a micro-batch (less padding)."""
+    ordered = sorted(rows, key=lambda r: -len(r.input_ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def train_step(model, batch: list[TokenizedConversation], pad_id: int, s: SFTConfig) -> tuple[float, int]:
+    """Backward of the batch's mean NLL (accumulated over micro-batches); returns (loss, trained tokens)."""
+    total = sum(r.num_targets for r in batch)
+    loss_value = 0.0
+    for micro in micro_batches(batch, s.micro_batch_size):
+        nll, _ = nll_sum(model, micro, pad_id, s.logits_chunk_size)
+        loss = nll / total
+        loss.backward()
+        loss_value += float(loss.detach())
+    return loss_value, total
+
+
+@torch.no_grad()
+def mean_nll(model, rows: list[TokenizedConversation], pad_id: int, s: SFTConfig) -> float:
+    """Token-mean NLL over `rows` (the eval loss)."""
+    was_training = model.training
+    model.eval()
+    total_nll, total_tokens = 0.0, 0
+    for micro in micro_batches(rows, s.micro_batch_size):
+        nll, n = nll_sum(model, micro, pad_id, s.logits_chunk_size)
+        total_nll, total_tokens = total_nll + float(nll), total_tokens + n
+    model.train(was_training)
+    return total_nll / max(total_tokens, 1)
+
+
+def batches_for(n_rows: int, s: SFTConfig, total_steps: int) -> list[list[int]]:
+    """Row indices of each optimizer step: a fresh seeded shuffle every epoch, the last batch of an
+    epoch possibly smaller; cut at total_steps."""
+    rng = random.Random(s.seed)
+    steps: list[list[int]] = []
+    while len(steps) < total_steps:
+        order = list(range(n_rows))
+        rng.shuffle(order)
+        steps += [order[i : i + s.batch_size] for i in range(0, n_rows, s.batch_size)]
+    return steps[:total_steps]
+
+
+# -- previews -----------------------------------------------------------------------------
+@torch.no_grad()
+def preview(model, tokenizer, conversations: list[Conversation], max_new_tokens: int) -> list[dict]:
+    """Greedy first turn of each conversation (its messages before the first trained one)."""
+    from grouprl.data.prompts import encode_prompt
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for c in conversations:
+        prompt = encode_prompt(tokenizer, c.messages[: c.train_on[0]])
+        generated = model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt) :]
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        out.append(
+            {
+                "id": c.id,
+                "question": c.messages[c.train_on[0] - 1]["content"],
+                "expected": c.messages[c.train_on[0]]["content"],
+                "generated": text,
+                "protocol": bool(PROTOCOL_TURN.match(text)),
+            }
+        )
+    model.train(was_training)
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------
+def run_sft(cfg: Config) -> dict:
+    """Fine-tune `cfg.model` on `cfg.sft`'s conversations and save it; returns a summary."""
+    s = cfg.sft
+    validate_sft(s)
+    random.seed(s.seed)
+    torch.manual_seed(s.seed)
+    out = Path(s.output_dir)
+    train_conversations, val_conversations = load_sft_conversations(s)  # data errors before the model loads
+
+    device = resolve_device(cfg.trainer.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    model_path = resolve_model_path(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, model_path)
+    model = load_causal_lm(cfg.model, model_path, device, dtype)
+    pad_id = tokenizer.pad_token_id
+
+    train, train_counts = tokenize_all(tokenizer, train_conversations, s.max_length, s.overflow)
+    val, _ = tokenize_all(tokenizer, val_conversations, s.max_length, s.overflow)
+    if s.eval_max_conversations:
+        val = val[: s.eval_max_conversations]
+    if not train:
+        raise ConfigError(f"every training conversation is longer than sft.max_length={s.max_length} tokens")
+    if train_counts["skipped"] or train_counts["truncated"]:
+        log.warning(
+            "training conversations over %d tokens: %d skipped, %d truncated",
+            s.max_length,
+            train_counts["skipped"],
+            train_counts["truncated"],
+        )
+    total_steps = s.max_steps or s.epochs * math.ceil(len(train) / s.batch_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, s.optim)
+    scheduler = build_scheduler(optimizer, s.optim, total_steps)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "samples.jsonl"):  # a rerun in the same folder starts them afresh
+        (out / stale).unlink(missing_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    loggers = make_loggers(
+        s.loggers,
+        out,
+        total_steps=total_steps,
+        start_step=0,
+        project=cfg.trainer.project_name,
+        experiment=out.name,
+        config=to_dict(cfg),
+    )
+    for logger in loggers:
+        if isinstance(logger, ConsoleLogger):
+            logger.KEYS = CONSOLE_KEYS
+
+    def log_all(metrics: dict, step: int) -> None:
+        for logger in loggers:
+            logger.log(metrics, step)
+
+    previews = val_conversations[: s.preview_samples]
+    samples_file = (out / "samples.jsonl").open("a", encoding="utf-8")
+
+    def write_previews(when: str) -> float:
+        records = preview(model, tokenizer, previews, s.preview_max_tokens)
+        for r in records:
+            samples_file.write(json.dumps({"when": when, **r}, ensure_ascii=False) + "\n")
+        return sum(r["protocol"] for r in records) / max(len(records), 1)
+
+    summary: dict = {
+        "steps": total_steps,
+        "train_conversations": len(train),
+        "train_tokens": 0,  # every token the model read
+        "train_target_tokens": 0,  # the trained ones
+        "skipped": train_counts["skipped"],
+        "truncated": train_counts["truncated"],
+    }
+    start_metrics = {"data/skipped": train_counts["skipped"], "data/truncated": train_counts["truncated"]}
+    if val:
+        summary["eval_loss_before"] = start_metrics["eval/loss"] = mean_nll(model, val, pad_id, s)
+    if previews:
+        summary["protocol_rate_before"] = start_metrics["eval/protocol_rate"] = write_previews("before")
+    log_all(start_metrics, 0)
+
+    model.train()
+    started, started_cpu = time.perf_counter(), time.process_time()
+    losses = []
+    for step, index in enumerate(batches_for(len(train), s, total_steps), start=1):
+        t0 = time.perf_counter()
+        lr = scheduler.get_last_lr()[0]
+        optimizer.zero_grad(set_to_none=True)
+        batch = [train[i] for i in index]
+        loss, targets = train_step(model, batch, pad_id, s)
+        tokens = sum(len(r.input_ids) for r in batch)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.optim.grad_clip or float("inf")))
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss)
+        summary["train_tokens"] += tokens
+        summary["train_target_tokens"] += targets
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/tokens": tokens,
+            "train/target_tokens": targets,
+            "time/step": elapsed,
+            "perf/tokens_per_s": tokens / elapsed,
+        }
+        if val and s.eval_freq and step % s.eval_freq == 0 and step != total_steps:
+            metrics["eval/loss"] = mean_nll(model, val, pad_id, s)
+        log_all(metrics, step)
+        if "console" not in s.loggers:
+            log.info("sft step %d/%d loss %.4f", step, total_steps, loss)
+
+    end_metrics: dict = {}
+    if val:
+        summary["eval_loss_after"] = end_metrics["eval/loss"] = mean_nll(model, val, pad_id, s)
+    if previews:
+        summary["protocol_rate_after"] = end_metrics["eval/protocol_rate"] = write_previews("after")
+    log_all(end_metrics, total_steps)
+    samples_file.close()
+    for logger in loggers:
+        logger.close()
+    summary.update(
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        train_seconds=time.perf_counter() - started,
+        train_cpu_seconds=time.process_time() - started_cpu,  # what a shared machine's wall time hides
+    )
+    summary["model"] = str(
+        export_model(
+            model,
+            tokenizer,
+            out / "model",
+            merge_lora=s.merge_lora,
+            meta={"sft": {k: v for k, v in summary.items() if k != "model"}},
+        )
+    )
+    return summary
