@@ -96,8 +96,32 @@ def describe_plan(cfg) -> list[str]:
         )
     else:
         lines.append("reference: none (no KL term)")
+    if cfg.agent.enabled:
+        a = cfg.agent
+        search = (
+            f"search via {a.retriever.url}"
+            if a.retriever.url
+            else f"search in-process on {a.retriever.index or '(no index set)'}"
+        )
+        lines.append(
+            f"agent: up to {a.max_turns} turns of <= {cfg.rollout.max_response_length} tokens, tools "
+            f"{', '.join(a.tools) or 'none'} ({search}), answers by {a.answer_generator}, "
+            f"KV cache {'kept' if a.reuse_kv_cache else 're-prefilled'} between turns"
+        )
+    if cfg.data.sampler == "curriculum":
+        cur = cfg.curriculum
+        lines.append(
+            f"curriculum: online buckets (easy > {cur.easy:g}, hard < {cur.hard:g}, re-bucket every "
+            f"{cur.rebucket_every} steps)"
+            + (f", dynamic filter up to {cur.max_oversample:g}x prompts" if cur.dynamic_filter else "")
+        )
     comps = " + ".join(f"{c.weight:g} x {c.name}" for c in cfg.reward.components)
-    lines.append(f"reward: {comps}")
+    judges = (
+        f"; judges: {', '.join(f'{j.name} ({j.backend} {j.model})' for j in cfg.reward.judges)}"
+        if cfg.reward.judges
+        else ""
+    )
+    lines.append(f"reward: {comps}{judges}{' (streamed per group)' if cfg.reward.streaming else ''}")
     if cfg.data.train_files:
         for f in cfg.data.train_files + cfg.data.val_files:
             lines.append(f"data: {f}" + ("" if Path(f).exists() else "  [WARNING: not found]"))
@@ -148,10 +172,14 @@ def cmd_eval(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training.")
     sub = parser.add_subparsers(dest="verb", required=True)
-    train = sub.add_parser("train", help="train a policy: grouprl train [config.yaml] [section.key=value ...]")
+    train = sub.add_parser(
+        "train", help="train a policy: grouprl train [config.yaml] [section.key=value ...]"
+    )
     train.add_argument("items", nargs="*", help="an optional YAML file, then dotted overrides")
     train.add_argument("--dry-run", action="store_true", help="validate and print the plan; load nothing")
-    train.add_argument("--explain", action="store_true", help="list every setting with its default and meaning")
+    train.add_argument(
+        "--explain", action="store_true", help="list every setting with its default and meaning"
+    )
     train.set_defaults(func=cmd_train)
     ev = sub.add_parser("eval", help="evaluate a model on the held-out split (greedy)")
     ev.add_argument("items", nargs="*")
