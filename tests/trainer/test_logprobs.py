@@ -235,3 +235,25 @@ def test_float64_model_gives_float64_accuracy(model, batch, shared_prefix):
     torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-10)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-10)
     assert_grads_close(grads(model, scalar_loss(lp, ent, mask)), expected, 1e-8)
+
+
+def test_lora_shared_prefix_equals_full_sequences(batch):
+    """Through a peft wrapper: same values, and the adapters' gradients flow through the prefix."""
+    from peft import LoraConfig, get_peft_model
+
+    base = exact_float64_norms(tiny_model_and_tokenizer(dtype=torch.float64, seed=3)[0])
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    with torch.no_grad():  # B starts at zero: make the adapters change the outputs
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    mask = batch.response_mask
+    out = {}
+    for shared in (True, False):
+        lp, ent = response_log_probs(model, batch, shared_prefix=shared, with_entropy=True)
+        out[shared] = (lp.detach(), grads(model, scalar_loss(lp, ent, mask, seed=7)))
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=ATOL)
+    assert_grads_close(out[True][1], out[False][1], GRAD_RTOL)
+    assert len(out[True][1]) == 2 * 2 * 2  # lora_A and lora_B of q and v in 2 layers: only adapters train
