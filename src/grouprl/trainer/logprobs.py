@@ -174,7 +174,7 @@ def prefix_forward(model, prompts: list[list[int]], pad_token_id: int = 0) -> Pr
             attention_mask=prefix_mask,
             position_ids=prefix_pos,
             past_key_values=cache,
-            use_cache=True,
+            use_cache=False,  # our cache object is passed and filled all the same; True only warns under checkpointing
         ).last_hidden_state  # [U, L, H]
     return Prefix(
         keys=[layer.keys for layer in cache.layers],
@@ -261,7 +261,7 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
             attention_mask=attn,
             position_ids=resp_pos,
             past_key_values=cache,
-            use_cache=True,
+            use_cache=False,
         ).last_hidden_state  # [N, R, H]
     # token 0 is predicted by the prefix's last position, token t > 0 by response position t - 1
     first = prefix.last_hidden.index_select(0, index).unsqueeze(1)  # [N, 1, H]
