@@ -22,6 +22,8 @@ DEFAULT_RECIPE = Path(__file__).parent / "configs" / "default.yaml"
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for noisy in ("faiss", "faiss.loader", "bm25s", "httpx"):  # their INFO/DEBUG lines are not ours
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         from transformers.utils import logging as hf_logging
 
