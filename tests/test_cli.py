@@ -59,7 +59,7 @@ def test_dry_run_prints_the_plan_of_the_default_recipe(capsys, no_model_load):
     assert any(line.startswith("  loss: gspo (clip 0.9997..1.0004, seq-mean-token-mean), advantages: grpo") for line in lines)
     assert any("policy: builtin:smollm2-135m-instruct [built-in (SmolLM2-135M-Instruct.Q4_1.gguf" in line for line in lines)
     assert "  reference: none (no KL term)" in lines
-    assert "  reward: 1 x correctness + 0.1 x soft_format" in lines
+    assert "  reward: 1 x correctness + 0.1 x soft_format (streamed per group)" in lines
     assert any(line.startswith("  run: 20 steps, save every 10") for line in lines)
 
 
