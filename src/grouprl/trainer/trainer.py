@@ -376,15 +376,22 @@ class Trainer:
                 metrics.update(self.agent.stats)
             return trajectories, metrics
 
+        def group_rewards() -> list[list[float]]:
+            return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
+
+        def keep_groups(keep: list[int]):
+            return (
+                [samples[g] for g in keep],
+                [prompts[g] for g in keep],
+                [t for g in keep for t in trajectories[g * n : (g + 1) * n]],
+            )
+
         samples, prompts = self._next_prompts()
         trajectories, metrics = generate_and_score(samples, prompts)
         curriculum = isinstance(self.sampler, OnlineCurriculum)
-        if curriculum and c.curriculum.dynamic_filter:
+        dynamic_filter = curriculum and c.curriculum.dynamic_filter
+        if dynamic_filter:
             errors = metrics.get("reward/errors", 0.0)
-
-            def group_rewards() -> list[list[float]]:
-                return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
-
             while (
                 k := prompts_to_draw(group_rewards(), c.data.train_batch_size, c.curriculum.max_oversample)
             ) > 0:
@@ -396,27 +403,24 @@ class Trainer:
                     prompts + more_prompts,
                     trajectories + more,
                 )
+        if curriculum:
             rewards = group_rewards()
             for sample, group in zip(samples, rewards):  # every generated group teaches the tracker
                 self.sampler.update(sample.uid, group)
+        if dynamic_filter:
             selection = select_groups(rewards, c.data.train_batch_size)
             self.sampler.note_selection(selection)
-            samples = [samples[g] for g in selection.keep]
-            prompts = [prompts[g] for g in selection.keep]
-            trajectories = [t for g in selection.keep for t in trajectories[g * n : (g + 1) * n]]
+            samples, prompts, trajectories = keep_groups(selection.keep)
             metrics = {**batch_summary(trajectories), "reward/errors": errors}
             metrics["batch/generated_groups"] = float(len(rewards))
             metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
-        elif curriculum:
-            for g, sample in enumerate(samples):
-                self.sampler.update(sample.uid, [t.reward for t in trajectories[g * n : (g + 1) * n]])
         if curriculum:
             metrics.update(self.sampler.metrics())
         dropped = groups_to_drop(trajectories)  # a judge failed under on_failure=drop_group
         if dropped:
-            keep = [g for g, sample in enumerate(samples) if sample.uid not in dropped]
-            samples, prompts = [samples[g] for g in keep], [prompts[g] for g in keep]
-            trajectories = [t for g in keep for t in trajectories[g * n : (g + 1) * n]]
+            samples, prompts, trajectories = keep_groups(
+                [g for g, sample in enumerate(samples) if sample.uid not in dropped]
+            )
             metrics.update(batch_summary(trajectories))
             metrics["batch/dropped_groups"] = float(len(dropped))
             self.counters["dropped_groups"] += len(dropped)
