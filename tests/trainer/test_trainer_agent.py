@@ -8,21 +8,12 @@ from tiny import LOWER_FRACTION, tiny_model_dir, write_run_config
 
 from grouprl.config import load_config
 from grouprl.errors import ConfigError
-from grouprl.retriever.index import build_index
 from grouprl.trainer.trainer import Trainer
-from retriever.sample_index import shared_embedder, write_corpus
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def index_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("index")
-    build_index(write_corpus(root / "corpus"), root / "index", embedder=shared_embedder(), mode="bm25")
-    return root / "index"
 
 
 def agent_overrides(index_dir):
