@@ -465,6 +465,8 @@ class SFTConfig:
     """Held-out questions the built-in task generates."""
     task_seed: int = 0
     """Seed of the built-in task (the same seed gives the same corpus and questions)."""
+    task_self_answer: bool = False
+    """Gold trajectories end with the policy's own <answer> (for agent.answer_generator: none), not <search_complete>."""
     epochs: int = 1
     """Passes over the training conversations when max_steps is 0."""
     max_steps: int = 0

@@ -11,7 +11,8 @@ from grouprl.data.tasks import TASKS, make_task
 from grouprl.data.tasks.slides import candidate_questions, make_corpus, make_questions, make_slides
 from grouprl.data.tasks.slides_files import main, write_slides_task
 from grouprl.errors import ConfigError
-from grouprl.rollout.agent_prompts import PROTOCOL, with_protocol
+from grouprl.rollout.actions import parse_action
+from grouprl.rollout.agent_prompts import PROTOCOL, PROTOCOL_SELF_ANSWER, with_protocol
 
 
 def bm25_index(slides):
@@ -172,6 +173,56 @@ def test_gold_trajectories_follow_the_protocol(task):
             r"<think>[^<]+</think><search_complete>true</search_complete>", messages[-1]["content"]
         )
     assert len({r["messages"][2]["content"].split("</think>")[0] for r in records}) > 20  # varied thoughts
+
+
+def test_self_answer_trajectories_end_with_the_gold_answer(tmp_path):
+    """--self-answer changes only the gold trajectories: the self-answer protocol prompt and a
+    last turn `<answer>` with the gold value in place of `<search_complete>`, also trained."""
+    plain = write_slides_task(tmp_path / "plain", seed=3, n_train=8, n_val=2, n_decks=4, image_size=(64, 36))
+    args = ["--seed", "3", "--train", "8", "--val", "2", "--decks", "4", "--self-answer"]
+    assert main(["--out", str(tmp_path / "self"), *args]) == 0
+    write_slides_task(
+        tmp_path / "custom",
+        seed=3,
+        n_train=8,
+        n_val=2,
+        n_decks=4,
+        image_size=(64, 36),
+        system_prompt="Custom protocol.",
+        self_answer=True,
+    )
+    a, b = digest(tmp_path / "plain"), digest(tmp_path / "custom")
+    assert {name for name in a if a[name] != b[name]} == {"sft_train.jsonl", "sft_val.jsonl"}
+    read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+    for split in ("sft_train", "sft_val"):
+        samples = {s.uid: s for s in load_samples([str(tmp_path / "plain" / f"{split[4:]}.parquet")])}
+        before = read(getattr(plain, split))
+        after = read(tmp_path / "self" / f"{split}.jsonl")
+        overridden = read(tmp_path / "custom" / f"{split}.jsonl")
+        assert [r["id"] for r in after] == [r["id"] for r in before] == list(samples)
+        kinds = set()
+        for old, new, own in zip(before, after, overridden):
+            sample, messages = samples[new["id"]], new["messages"]
+            kinds.add(sample.extra_info["kind"])
+            assert messages[:2] == with_protocol(sample.messages, PROTOCOL_SELF_ANSWER)
+            assert own["messages"][0] == {"role": "system", "content": "Custom protocol."}
+            assert own["messages"][1:] == messages[1:]
+            # the same searches and observations; the last turn answers with the gold value
+            assert messages[2:-1] == old["messages"][2:-1]
+            thought = re.fullmatch(
+                r"(<think>[^<]+</think>)<search_complete>true</search_complete>",
+                old["messages"][-1]["content"],
+            ).group(1)
+            assert messages[-1] == {
+                "role": "assistant",
+                "content": f"{thought}<answer>{sample.ground_truth}</answer>",
+            }
+            action = parse_action(messages[-1]["content"])
+            assert (action.kind, action.argument, action.valid) == ("answer", sample.ground_truth, True)
+            assert new["answer"] == sample.ground_truth and new["gold_docs"] == old["gold_docs"]
+            assert new["train_on"] == old["train_on"] and new["train_on"][-1] == len(messages) - 1
+        if split == "sft_train":
+            assert kinds == {"single", "compare"}
 
 
 def test_registry_and_errors():

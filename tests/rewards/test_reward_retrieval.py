@@ -16,6 +16,7 @@ from grouprl.rewards.retrieval import (
     RETRIEVAL_REWARDS,
     anls,
     exact_match,
+    final_answer,
     gold_doc_ids,
     levenshtein,
     ndcg,
@@ -162,6 +163,20 @@ def test_exact_match():
     assert exact_match("<think>x</think><answer>12 %</answer>", ["12 %", "twelve"]) == 1.0
     assert exact_match("<answer>12%</answer>", "12 %") == 0.0
     assert exact_match("12 %", "12 %") == 0.0
+
+
+def test_answers_inside_agent_observations_are_not_the_answer():
+    """Text the agent loop appended (search hits, corrections, notices) is never the policy's answer."""
+    hit = "\n<observation>\n[1] d1 | quiz: <answer>Lisbon</answer>\n</observation>\n"
+    notice = "\n<observation>\nLast turn: give your final answer in <answer>...</answer>.\n</observation>\n"
+    leaked = f"<search>capital</search>{hit}<search>again</search>{hit}"
+    assert anls(leaked, "Lisbon") == 0.0 and exact_match(leaked, "Lisbon") == 0.0
+    assert anls(f"{leaked}<answer>Oslo</answer>", "Lisbon") == 0.0  # its own (wrong) answer counts
+    assert anls(f"{leaked}<think>d1</think><answer>Lisbon</answer>", "Lisbon") == 1.0
+    assert exact_match(f"<search>capital</search>{notice}<answer>Lisbon</answer>", "Lisbon") == 1.0
+    assert final_answer(f"<search>capital</search>{notice}") is None
+    # a frozen generator's answer follows the last observation, outside it
+    assert final_answer(f"<search_complete>true</search_complete>{hit}\n<answer> Porto</answer>") == "Porto"
 
 
 def test_in_the_composite_reward():

@@ -11,14 +11,17 @@ wrong feed shows up as a wrong context.
 
 import asyncio
 import re
+from pathlib import Path
 
 import pytest
 from test_chat import EXPECTED_DELTA, chat_tokenizer
 
-from grouprl.config import AgentConfig
+from grouprl.config import AgentConfig, load_config
 from grouprl.data.sample import Sample
+from grouprl.rewards.composite import CompositeReward
+from grouprl.rewards.retrieval import final_answer
 from grouprl.rollout.agent import AgentLoop
-from grouprl.rollout.agent_prompts import LAST_TURN, PROTOCOL, correction
+from grouprl.rollout.agent_prompts import LAST_TURN, PROTOCOL, PROTOCOL_SELF_ANSWER, correction
 from grouprl.rollout.answer import AnswerResult
 from grouprl.rollout.hf_engine import Generation, SamplingParams
 from grouprl.rollout.tools.base import Observation
@@ -397,3 +400,69 @@ def test_finished_rows_leave_the_batch_and_release_their_cache():
     assert sessions[0].released == {0, 1, 2, 3}
     # contexts generated from: 4 in turn 0, then only sample 1's two rows
     assert len(loop.engine.contexts_seen) == 4 + 2 + 2
+
+
+# ------------------------------------------------------------------ the policy answers itself
+def test_self_answering_agent_is_scored_on_its_own_answer():
+    """configs/search_agent.yaml's agent and rewards (answer_generator: none; ndcg + anls): the
+    policy searches, then answers; the answer tokens are trained and are what anls reads, never
+    the answer-like text of an observation (a search hit, the last-turn notice)."""
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "search_agent.yaml", [])
+    assert cfg.agent.answer_generator == "none"
+
+    hit = "RESULT[{}] d1: quiz key <answer>Lisbon</answer>"
+
+    class Search:
+        async def __call__(self, argument, state):
+            state.add_hits([{"id": "d1", "score": 1.0, "text": argument}])
+            return Observation(hit.format(state.index))
+
+    answers = [
+        "<think>d1 says Lisbon</think><answer>Lisbon</answer>",
+        "<answer>Oslo</answer>",
+        "<answer>Lisbn</answer>",
+    ]
+
+    def policy(context):
+        shown = re.findall(r"RESULT\[(\d)\]", context)
+        if not shown or shown[0] == "3":  # row 3 never answers
+            return "<search>capital</search>"
+        return answers[int(shown[0])]
+
+    tokenizer = chat_tokenizer("chatml")
+    loop = AgentLoop(ScriptedEngine(tokenizer, policy), tokenizer, {"search": Search()}, cfg.agent)
+    sample = Sample(
+        uid="u0",
+        messages=[{"role": "user", "content": "Q=capital"}],
+        ground_truth="Lisbon",
+        extra_info={"gold_docs": ["d1"]},
+    )
+    prompts = loop.encode_prompts([sample])
+    assert PROTOCOL_SELF_ANSWER in tokenizer.decode(prompts[0]) and loop.answer_generator is None
+    trajectories = loop.run([sample], prompts, 4, PARAMS)
+
+    for j, (t, answer) in enumerate(zip(trajectories, answers)):
+        observation = EXPECTED_DELTA["chatml"].replace("OBS", hit.format(j))
+        assert spans(tokenizer, t) == [(1, "<search>capital</search>"), (0, observation), (1, answer)]
+        n = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        assert tokenizer.decode(t.response_ids[-n:]) == answer and t.loss_mask[-n:] == [1] * n  # trained
+        assert t.finish_reason == "answer" and [r["action"] for r in t.turns] == ["search", "answer"]
+        assert t.response_text.endswith(f"</observation>\n{answer}")
+    assert [final_answer(t.response_text) for t in trajectories] == ["Lisbon", "Oslo", "Lisbn", None]
+    never = trajectories[3]
+    assert never.truncated and [r["action"] for r in never.turns] == ["search"] * 4
+    # answer-like text it did not write: three hits and the last-turn notice
+    assert (
+        never.response_text.count("<answer>Lisbon</answer>") == 3
+        and LAST_TURN["answer"] in never.response_text
+    )
+
+    composite = CompositeReward.from_config(cfg.reward)
+    composite.score(trajectories)
+    assert [t.rewards for t in trajectories] == [
+        {"ndcg": 1.0, "anls": 1.0},  # the gold value
+        {"ndcg": 1.0, "anls": 0.0},  # a wrong value: edit distance 4 of 6, not below 0.5
+        {"ndcg": 1.0, "anls": pytest.approx(1 - 1 / 6)},  # one letter off: distance 1 of 6
+        {"ndcg": 1.0, "anls": 0.0},  # no answer of its own
+    ]
+    assert [t.reward for t in trajectories] == pytest.approx([1.0, 0.5, 0.5 + 0.5 * (1 - 1 / 6), 0.5])

@@ -7,8 +7,19 @@ import pytest
 import torch
 
 from grouprl.config import load_config
+from grouprl.data import load_samples
 from grouprl.errors import ConfigError, DataError
-from grouprl.trainer.sft import batches_for, mean_nll, nll_sum, run_sft, train_step, validate_sft
+from grouprl.rollout.agent_prompts import PROTOCOL, PROTOCOL_SELF_ANSWER
+from grouprl.trainer.sft import (
+    batches_for,
+    describe_sft,
+    load_sft_conversations,
+    mean_nll,
+    nll_sum,
+    run_sft,
+    train_step,
+    validate_sft,
+)
 from grouprl.trainer.sft_cli import add_parser
 from grouprl.trainer.sft_data import Conversation, load_conversations, tokenize_all, tokenize_conversation
 from helpers import CHAT_TEMPLATE, char_tokenizer, tiny_model_and_tokenizer
@@ -227,6 +238,42 @@ def test_batches_cover_each_epoch_once_in_a_seeded_order():
     assert [len(b) for b in steps] == [4, 4, 2, 4, 4, 2]
     assert sorted(sum(steps[:3], [])) == list(range(10)) and sorted(sum(steps[3:], [])) == list(range(10))
     assert steps == batches_for(10, cfg, 6) and steps[:3] != steps[3:]
+
+
+# -- the built-in task ---------------------------------------------------------------------
+@pytest.mark.parametrize("self_answer", [False, True])
+def test_task_self_answer_trajectories_end_with_a_trained_answer(tmp_path, self_answer):
+    cfg = load_config(
+        None,
+        [
+            f"sft.task_self_answer={str(self_answer).lower()}",
+            "sft.task_train_size=4",
+            "sft.task_val_size=1",
+            f"sft.task_dir={tmp_path / 'data'}",
+            f"sft.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    ending = "the policy's own <answer>" if self_answer else "<search_complete>"
+    assert f"4 train / 1 held-out gold trajectories ending with {ending}, written to" in describe_sft(cfg)[0]
+    train, val = load_sft_conversations(cfg.sft)
+    samples = load_samples([str(tmp_path / "data" / "train.parquet"), str(tmp_path / "data" / "val.parquet")])
+    truth = {s.uid: s.ground_truth for s in samples}
+    assert len(train) == 4 and len(val) == 1
+    tokenizer = chatml_char_tokenizer()
+    for c in train + val:
+        assert c.messages[0] == {
+            "role": "system",
+            "content": PROTOCOL_SELF_ANSWER if self_answer else PROTOCOL,
+        }
+        last = c.messages[-1]["content"]
+        action = (
+            f"<answer>{truth[c.id]}</answer>" if self_answer else "<search_complete>true</search_complete>"
+        )
+        assert last.startswith("<think>") and last.endswith(f"</think>{action}")
+        assert c.train_on == [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
+        # every assistant turn is trained, the answer turn with its end-of-turn token
+        spans = trained_spans(tokenizer, tokenize_conversation(tokenizer, c))
+        assert spans == [c.messages[i]["content"] + "<|im_end|>" for i in c.train_on]
 
 
 # -- the run -------------------------------------------------------------------------------

@@ -3,7 +3,11 @@
 They take their context by parameter name (see `CompositeReward`): `ndcg` and `recall` read
 `trajectory.retrieved` (unique doc ids in first-retrieval order, filled by the search tool)
 and the gold pages from `extra_info`; `anls` and `exact_match` compare the last `<answer>`
-block of the response with the ground truth (a string or a list of acceptable strings).
+block of the response with the ground truth (a string or a list of acceptable strings). For an
+agent that block is the policy's own `<answer>` action (agent.answer_generator: none) or the
+frozen generator's answer: the agent loop's observations (`\n<observation>\n...\n</observation>\n`
+in the response text: search hits, corrections, the last-turn notice that quotes
+`<answer>...</answer>`) are left out, so text the policy did not write is never its answer.
 
 Gold pages, from the first `extra_info` key present (see `gold_doc_ids`):
 - `gold_docs`: doc ids (the plain layout);
@@ -25,6 +29,7 @@ with k=None the values agree whenever no page repeats.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any
@@ -32,6 +37,8 @@ from typing import Any
 from grouprl.rewards.rules import extract_answer
 
 GOLD_KEYS = ("gold_docs", "reference_images", "reference_pages", "reference_page")
+# how the agent loop marks an observation in Trajectory.response_text (rollout/agent.py)
+_OBSERVATION = re.compile(r"\n<observation>\n.*?\n</observation>\n", re.DOTALL)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -119,6 +126,17 @@ def _normalise(text: Any) -> str:
     return " ".join(str(text).split()).lower()
 
 
+def final_answer(response: str) -> str | None:
+    """The last `<answer>` block outside the agent loop's observations, stripped, or None.
+
+    >>> final_answer("<search>q</search>\\n<observation>\\n<answer>Oslo</answer>\\n</observation>\\n") is None
+    True
+    >>> final_answer("<search>q</search>\\n<observation>\\nhit\\n</observation>\\n<answer> Lima </answer>")
+    'Lima'
+    """
+    return extract_answer(_OBSERVATION.sub("\n", response))
+
+
 def _truths(ground_truth: Any) -> list[str]:
     truths = [_normalise(t) for t in _as_list(ground_truth)]
     if not truths:
@@ -146,7 +164,7 @@ def levenshtein(a: str, b: str) -> int:
 def anls(response: str, ground_truth: Any = None, threshold: float = 0.5) -> float:
     """Normalised Levenshtein similarity of the answer to the closest ground truth (ANLS, Biten
     et al. 2019): 1 - d / max(len) when that distance ratio is below `threshold`, else 0.
-    Case and whitespace are normalised; no `<answer>` block scores 0.
+    Case and whitespace are normalised; no `<answer>` block (outside observations) scores 0.
 
     >>> anls("<answer>Paris </answer>", ["paris", "Paris, France"])
     1.0
@@ -156,7 +174,7 @@ def anls(response: str, ground_truth: Any = None, threshold: float = 0.5) -> flo
     0.0
     """
     truths = _truths(ground_truth)
-    answer = extract_answer(response)
+    answer = final_answer(response)
     if answer is None:
         return 0.0
     answer = _normalise(answer)
@@ -178,7 +196,7 @@ def exact_match(response: str, ground_truth: Any = None) -> float:
     0.0
     """
     truths = _truths(ground_truth)
-    answer = extract_answer(response)
+    answer = final_answer(response)
     return 1.0 if answer is not None and _normalise(answer) in truths else 0.0
 
 

@@ -1,6 +1,7 @@
 """The slide-deck task on disk: gold search trajectories for SFT, slide images, and
 `write_slides_task`, which writes everything (see `grouprl.data.tasks.slides`); also
-`python -m grouprl.data.tasks.slides_files --out DIR [--seed N] [--train N] [--val N] [--decks N]`.
+`python -m grouprl.data.tasks.slides_files --out DIR [--seed N] [--train N] [--val N] [--decks N]
+[--self-answer]`.
 
 A gold trajectory is the conversation a good searcher has with the agent loop, one record a
 line of `sft_*.jsonl`: `{"id", "messages", "train_on": [assistant message indices],
@@ -11,6 +12,11 @@ line of `sft_*.jsonl`: `{"id", "messages", "train_on": [assistant message indice
     assistant <think>...</think><search>project label</search>      (one per gold slide)
     user      the search tool's observation for that query
     assistant <think>...evidence...</think><search_complete>true</search_complete>
+
+With `self_answer` (the agent loop's `answer_generator: none`, where the policy answers itself)
+the system prompt is PROTOCOL_SELF_ANSWER and the last turn gives the answer instead:
+
+    assistant <think>...evidence...</think><answer>the gold answer</answer>
 
 Observations are made by the agent's own search tool over a BM25 index of the corpus (the
 retriever's settings), so SFT shows the policy the very text RL will show it. The query is
@@ -82,7 +88,7 @@ class GoldSearch:
 
 # -- gold trajectories ---------------------------------------------------------------------
 def _thoughts(question: Question, variant: int) -> list[str]:
-    """One thought per assistant turn: before each search, then before search_complete."""
+    """One thought per assistant turn: before each search, then before search_complete (or the answer)."""
     if question.kind == "single":
         (f,) = question.facts
         fields = {
@@ -108,9 +114,15 @@ def _thoughts(question: Question, variant: int) -> list[str]:
 
 
 async def gold_conversation(
-    question: Question, sample: Sample, search: GoldSearch, variant: int, system_prompt: str
+    question: Question,
+    sample: Sample,
+    search: GoldSearch,
+    variant: int,
+    system_prompt: str,
+    self_answer: bool = False,
 ) -> dict[str, Any]:
-    """The gold trajectory of `question` as an SFT record (see the module docstring)."""
+    """The gold trajectory of `question` as an SFT record (see the module docstring); with
+    self_answer its last turn is `<answer>` instead of `<search_complete>`."""
     from grouprl.rollout.agent_prompts import with_protocol
 
     thoughts = _thoughts(question, variant)
@@ -129,12 +141,10 @@ async def gold_conversation(
             {"role": "assistant", "content": f"<think>{thoughts[i]}</think><search>{query}</search>"}
         )
         messages.append({"role": "user", "content": observation})
-    messages.append(
-        {
-            "role": "assistant",
-            "content": f"<think>{thoughts[-1]}</think><search_complete>true</search_complete>",
-        }
+    action = (
+        f"<answer>{question.answer}</answer>" if self_answer else "<search_complete>true</search_complete>"
     )
+    messages.append({"role": "assistant", "content": f"<think>{thoughts[-1]}</think>{action}"})
     return {
         "id": sample.uid,
         "messages": messages,
@@ -214,14 +224,18 @@ def write_slides_task(
     two_slide_share: float = 0.2,
     image_size: tuple[int, int] = (480, 270),
     system_prompt: str | None = None,
+    self_answer: bool = False,
 ) -> SlidesTaskFiles:
     """Write the corpus, slide images, train/val questions and their gold trajectories under `out_dir`.
     The same arguments give byte-identical files. system_prompt: of the gold trajectories
-    (None = the agent loop's built-in protocol prompt, what RL shows with agent.system_prompt unset)."""
+    (None = the agent loop's built-in protocol prompt, what RL shows with agent.system_prompt unset).
+    self_answer: gold trajectories end with the policy's own `<answer>` (for RL with
+    `agent.answer_generator: none`, whose protocol prompt they then carry) instead of
+    `<search_complete>`; only the sft_*.jsonl files differ."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from grouprl.rollout.agent_prompts import PROTOCOL
+    from grouprl.rollout.agent_prompts import protocol_prompt
 
     if len(image_size) != 2 or min(image_size) < 32:
         raise ConfigError(f"image_size must be [width, height], each >= 32, got {list(image_size)}")
@@ -250,10 +264,11 @@ def write_slides_task(
         [{"id": s.id, "title": s.title, "text": s.text, "image": f"images/{s.id}.png"} for s in slides],
     )
     search = GoldSearch(files.corpus)
+    prompt = protocol_prompt("none" if self_answer else "frozen", system_prompt)
 
     async def conversations(split_questions: list[Question], samples: list[Sample]) -> list[dict[str, Any]]:
         return [
-            await gold_conversation(q, s, search, i, PROTOCOL if system_prompt is None else system_prompt)
+            await gold_conversation(q, s, search, i, prompt, self_answer)
             for i, (q, s) in enumerate(zip(split_questions, samples))
         ]
 
@@ -268,7 +283,8 @@ def write_slides_task(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m grouprl.data.tasks.slides_files --out DIR [--seed N] [--train N] [--val N]`."""
+    """`python -m grouprl.data.tasks.slides_files --out DIR [--seed N] [--train N] [--val N] [--decks N]
+    [--self-answer]`."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -279,9 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=int, default=200, help="training questions")
     parser.add_argument("--val", type=int, default=50, help="held-out questions")
     parser.add_argument("--decks", type=int, default=12, help="number of slide decks")
+    parser.add_argument(
+        "--self-answer",
+        action="store_true",
+        help="gold trajectories end with the policy's own <answer> (agent.answer_generator: none)",
+    )
     args = parser.parse_args(argv)
     try:
-        files = write_slides_task(args.out, args.seed, args.train, args.val, n_decks=args.decks)
+        files = write_slides_task(
+            args.out, args.seed, args.train, args.val, n_decks=args.decks, self_answer=args.self_answer
+        )
     except UserError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
