@@ -234,17 +234,34 @@ def test_training_mode_is_restored(model_and_tokenizer, prompts):
 
 
 class MultinomialSpy:
-    """Records the probabilities sample_next hands to torch.multinomial."""
+    """Records the probabilities sample_next hands to its sampler."""
 
     def __init__(self, monkeypatch):
+        from grouprl.rollout import hf_engine
+
         self.probs = []
-        real = torch.multinomial
+        real = hf_engine._inverse_cdf_sample
 
         def spy(probs, *args, **kwargs):
             self.probs.append(probs.detach().clone())
             return real(probs, *args, **kwargs)
 
-        monkeypatch.setattr(torch, "multinomial", spy)
+        monkeypatch.setattr(hf_engine, "_inverse_cdf_sample", spy)
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
+    """Zero-probability tokens first, in the middle and last are never drawn; frequencies match."""
+    from grouprl.rollout.hf_engine import _inverse_cdf_sample
+
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    draws = _inverse_cdf_sample(probs.repeat(20000, 1), torch.Generator().manual_seed(0)).view(20000, 2)
+    assert draws[:, 1].eq(5).all()
+    counts = torch.bincount(draws[:, 0], minlength=6).double() / 20000
+    assert counts[0] == counts[2] == counts[5] == 0
+    torch.testing.assert_close(counts, probs[0].double(), rtol=0, atol=0.015)  # ~5 standard errors
+    # unnormalised weights draw the same way (the total is read off the cumulative sum)
+    again = _inverse_cdf_sample(probs.repeat(20000, 1) * 7, torch.Generator().manual_seed(0)).view(20000, 2)
+    assert torch.equal(again, draws)
 
 
 def nucleus(probs: list[float], top_p: float) -> list[float]:

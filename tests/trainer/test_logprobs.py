@@ -195,9 +195,11 @@ def test_gradient_checkpointing_keeps_values_gradients_and_the_shared_prefix(bat
     passes = 2 if shared_prefix else 1  # prefix pass + response pass
     assert forward_calls == passes * n_layers
     assert counts["layer_calls"] == 2 * passes * n_layers  # every layer replayed in backward
-    width = mask.shape[1]
-    if shared_prefix:  # each distinct prompt ran once (left-padded to the longest), then the responses
-        assert counts["tokens"] == len(PROMPT_LENGTHS) * max(PROMPT_LENGTHS) + len(ROWS) * width
+    if shared_prefix:  # each distinct prompt ran once (left-padded to the longest), then its
+        # responses packed end to end in one row: 4+1+6, 3+6 and 2 tokens, padded to 11
+        assert counts["tokens"] == len(PROMPT_LENGTHS) * max(PROMPT_LENGTHS) + 3 * 11
+    else:
+        assert counts["tokens"] == len(ROWS) * max(max(PROMPT_LENGTHS) + n for _, n in ROWS)
 
 
 def test_prefix_reused_by_several_micro_batches_gives_the_single_pass_gradient(model, batch):
@@ -257,3 +259,57 @@ def test_lora_shared_prefix_equals_full_sequences(batch):
     torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=ATOL)
     assert_grads_close(out[True][1], out[False][1], GRAD_RTOL)
     assert len(out[True][1]) == 2 * 2 * 2  # lora_A and lora_B of q and v in 2 layers: only adapters train
+
+
+def test_pack_fills_bins_of_one_prompt_first_fit_decreasing():
+    from grouprl.trainer.logprobs import _pack
+
+    lengths = [n for _, n in ROWS]  # 4 3 1 2 6 6
+    prefix_of_row = [g for g, _ in ROWS]  # 0 1 0 2 1 0
+    assert _pack(lengths, prefix_of_row, 11) == [(1, [4, 1]), (0, [5, 0, 2]), (2, [3])]
+    # capacity 6: the 6-token responses fill a bin each; 4 and 1 share one; 3 and 2 are alone
+    assert _pack(lengths, prefix_of_row, 6) == [(1, [4]), (0, [5]), (0, [0, 2]), (1, [1]), (2, [3])]
+    assert _pack([], [], 6) == []
+
+
+def test_responses_split_over_several_packed_rows_match_full_logits(model, batch, monkeypatch):
+    """A prompt's responses that do not fit one packed row go to several; values and gradients
+    are those of the full-sequence reference all the same (and with 1-token packed rows)."""
+    from grouprl.trainer import logprobs
+
+    mask = batch.response_mask
+    ref_lp, ref_ent = reference(model, batch)
+    expected = grads(model, scalar_loss(ref_lp, ref_ent, mask))
+    for capacity in (6, 8):  # 6: the longest response alone in a row; 8: bins of mixed fill
+        monkeypatch.setattr(logprobs, "PACK_TOKENS", capacity)
+        lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, chunk_size=5)
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)
+        torch.testing.assert_close(ent, ref_ent, rtol=0, atol=ATOL)
+        assert_grads_close(grads(model, scalar_loss(lp, ent, mask)), expected, GRAD_RTOL)
+
+
+def test_linear_head_backward_is_the_hand_written_one(model, batch, monkeypatch):
+    """The values and gradients above come from the hand-written head backward (not a fallback),
+    and with a frozen head it computes no weight gradient."""
+    from grouprl.trainer import logprobs
+
+    calls = []
+    real = logprobs._LinearHeadStats.backward
+
+    def spy(ctx, *grads):
+        calls.append(ctx.needs_input_grad[:2])
+        return real(ctx, *grads)
+
+    monkeypatch.setattr(logprobs._LinearHeadStats, "backward", staticmethod(spy))
+    lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, chunk_size=4)
+    scalar_loss(lp, ent, batch.response_mask).backward()
+    assert calls == [(True, True)]
+    head = model.get_output_embeddings()
+    model.zero_grad()
+    head.weight.requires_grad_(False)
+    try:
+        lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, chunk_size=4)
+        scalar_loss(lp, ent, batch.response_mask).backward()
+    finally:
+        head.weight.requires_grad_(True)
+    assert calls[1] == (True, False) and head.weight.grad is None

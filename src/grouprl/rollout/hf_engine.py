@@ -51,8 +51,16 @@ def sample_next(
         drop = probs.cumsum(-1) - probs >= params.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _inverse_cdf_sample(logits.softmax(-1), generator)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of probs [A, V]: the first token whose cumulative probability exceeds
+    u ~ U(0, total). Exact like torch.multinomial (a token of probability 0 is never drawn), and
+    on a CPU several times faster, which matters at every decode step over a 50k vocabulary."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 def _common_prefix_length(rows: list[list[int]]) -> int:

@@ -58,9 +58,99 @@ def _token_stats(hidden: torch.Tensor, targets: torch.Tensor, head, temperature:
     return log_probs, entropy
 
 
+def _plain_linear(head) -> bool:
+    return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
+
+
+class _LinearHeadStats(torch.autograd.Function):
+    """Log-probs and entropies through a plain linear LM head, chunk by chunk, with the backward
+    written out: for z = logits / T, d log p_t / dz = onehot(t) - p and dH/dz = -p (log p + H).
+    The backward recomputes one chunk's logits at a time and accumulates the head's weight
+    gradient into one buffer (no per-chunk [V, H] gradient, no autograd graph over [chunk, V]
+    tensors). Under autocast the head's matmuls run in the autocast dtype, as autograd would."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_size):
+        device_type = hidden.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), autocast)
+        ctx.temperature, ctx.with_entropy, ctx.chunk_size = temperature, with_entropy, chunk_size
+        lps, ents, log_zs = [], [], []
+        for start in range(0, hidden.shape[0], chunk_size):
+            z = _scaled_logits(hidden[start : start + chunk_size], weight, bias, temperature)
+            log_z = torch.logsumexp(z, dim=-1)
+            lps.append(z.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1) - log_z)
+            if with_entropy:
+                ents.append(log_z - (torch.softmax(z, dim=-1) * z).sum(-1))
+            log_zs.append(log_z)
+        lp, log_z = torch.cat(lps), torch.cat(log_zs)
+        ent = torch.cat(ents) if with_entropy else torch.zeros_like(lp)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z, ent)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, bias, targets, log_z, ent = ctx.saved_tensors
+        device_type, dtype, autocast = ctx.autocast
+        mm_dtype = dtype if autocast else weight.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights accumulate in fp32
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
+        w = weight.to(mm_dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h = hidden[start:end]
+            with torch.autocast(device_type, dtype=dtype, enabled=autocast):
+                z = _scaled_logits(h, weight, bias, ctx.temperature)
+            log_p = z - log_z[start:end, None]
+            p = log_p.exp()
+            g_lp = grad_lp[start:end, None]
+            g = p * -g_lp
+            if ctx.with_entropy and grad_ent is not None:
+                g -= grad_ent[start:end, None] * p * (log_p + ent[start:end, None])
+            g.scatter_add_(-1, targets[start:end, None], g_lp)
+            if ctx.temperature != 1.0:
+                g /= ctx.temperature
+            g = g.to(mm_dtype)
+            if need_h:
+                grad_h[start:end] = (g @ w).to(hidden.dtype)
+            if need_w and mm_dtype == acc_dtype:
+                grad_w.addmm_(g.t(), h.to(mm_dtype))  # in place: one [V, H] buffer for all chunks
+            elif need_w:
+                grad_w += (g.t() @ h.to(mm_dtype)).to(acc_dtype)
+            if need_b:
+                grad_b += g.sum(0).to(grad_b.dtype)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _scaled_logits(hidden, weight, bias, temperature):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def chunked_token_stats(hidden, targets, head, *, temperature=1.0, with_entropy=False, chunk_size=256):
     """Apply the LM head in chunks of positions; each chunk is recomputed in backward instead of
     keeping its [chunk, V] logits alive. hidden [M, H], targets [M] -> ([M], [M])."""
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    if needs_grad and hidden.shape[0] and _plain_linear(head):
+        return _LinearHeadStats.apply(
+            hidden, head.weight, head.bias, targets, temperature, with_entropy, chunk_size
+        )
     outs_lp, outs_ent = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
@@ -240,31 +330,77 @@ def _full_sequence_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
     return gathered[mask], batch.response_ids[mask], mask
 
 
+PACK_TOKENS = 512
+"""A packed row holds responses of one prompt up to max(this, the longest response) tokens: the
+padding of unequal responses goes away, while a query attends to at most prompt + 512 keys
+(attention stays small next to the MLPs at that length)."""
+
+
+def _pack(lengths: list[int], prefix_of_row: list[int], capacity: int) -> list[tuple[int, list[int]]]:
+    """Rows into bins of one prefix each, first-fit by decreasing length: [(prefix, [rows])]."""
+    bins: list[tuple[int, list[int]]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, (u, rows) in enumerate(bins):
+            if u == prefix_of_row[i] and room[b] >= lengths[i]:
+                rows.append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append((prefix_of_row[i], [i]))
+            room.append(capacity - lengths[i])
+    return bins
+
+
 def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: ResponseBatch):
-    """Responses run on their prompt's cache, index-expanded to the rows (the graph is kept)."""
+    """Responses run on their prompt's cache, packed: the responses of one prompt are laid end to
+    end in one row (several rows when long), each attending to the prompt and causally to itself
+    only, so no padding is computed and the prompt's cache is repeated per packed row, not per
+    response. The graph through the cache is kept."""
     device = batch.response_ids.device
-    n, r = batch.response_ids.shape
-    index = torch.tensor(prefix_index, device=device)  # [N]
-    cache = _cache_of(
-        [
-            _ReadOnlyLayer(k.index_select(0, index), v.index_select(0, index))
-            for k, v in zip(prefix.keys, prefix.values)
-        ]
-    )
-    row_prefix_mask = prefix.mask.index_select(0, index)  # [N, L]
-    attn = torch.cat([row_prefix_mask, batch.response_mask.long()], dim=-1)  # [N, L + R]
-    start = row_prefix_mask.sum(-1)  # [N] first response position
-    resp_pos = start[:, None] + torch.arange(r, device=device)[None, :]
-    with _cache_under_checkpointing(decoder):
-        resp_hidden = decoder(
-            input_ids=batch.response_ids,
-            attention_mask=attn,
-            position_ids=resp_pos,
-            past_key_values=cache,
-            use_cache=False,
-        ).last_hidden_state  # [N, R, H]
-    # token 0 is predicted by the prefix's last position, token t > 0 by response position t - 1
-    first = prefix.last_hidden.index_select(0, index).unsqueeze(1)  # [N, 1, H]
-    predictors = torch.cat([first, resp_hidden[:, :-1]], dim=1)  # [N, R, H]
     mask = batch.response_mask.bool()
-    return predictors[mask], batch.response_ids[mask], mask
+    lengths = mask.sum(-1).tolist()
+    bins = _pack(lengths, prefix_index, max(PACK_TOKENS, max(lengths, default=1)))
+    width = max(1, max(sum(lengths[i] for i in rows) for _, rows in bins))
+    n_bins, n_prefix = len(bins), prefix.last_hidden.shape[0]
+    ids = torch.zeros((n_bins, width), dtype=torch.long, device=device)
+    pos = torch.zeros((n_bins, width), dtype=torch.long, device=device)
+    segment = torch.full((n_bins, width), -1, dtype=torch.long, device=device)
+    start = prefix.mask.sum(-1).tolist()  # [U] first response position of each prompt
+    predictor = []  # per row, where the hidden states predicting its tokens sit (see below)
+    where = [None] * len(lengths)
+    for b, (u, rows) in enumerate(bins):
+        offset = 0
+        for i in rows:
+            n = lengths[i]
+            ids[b, offset : offset + n] = batch.response_ids[i, :n]
+            pos[b, offset : offset + n] = torch.arange(start[u], start[u] + n, device=device)
+            segment[b, offset : offset + n] = i
+            where[i] = (u, b * width + offset)
+            offset += n
+    for i, n in enumerate(lengths):
+        if n:  # token 0 is predicted by the prompt's last position, token t > 0 by packed slot t - 1
+            u, flat = where[i]
+            predictor.append(torch.tensor([u], device=device))
+            predictor.append(n_prefix + flat + torch.arange(n - 1, device=device))
+    used = torch.tensor([u for u, _ in bins], device=device)
+    keys = [k.index_select(0, used) for k in prefix.keys]
+    values = [v.index_select(0, used) for v in prefix.values]
+    # [bins, 1, width, L + width]: the bin's prompt (its real tokens), then its own segment, causally;
+    # a padding slot sees itself only (its output is never read)
+    same = (segment[:, :, None] == segment[:, None, :]) & torch.ones(
+        (width, width), dtype=torch.bool, device=device
+    ).tril()
+    same |= torch.eye(width, dtype=torch.bool, device=device) & (segment < 0)[:, :, None]
+    attn = torch.cat([prefix.mask.bool().index_select(0, used)[:, None, :].expand(-1, width, -1), same], -1)
+    with _cache_under_checkpointing(decoder):
+        hidden = decoder(
+            input_ids=ids,
+            attention_mask=attn[:, None],
+            position_ids=pos,
+            past_key_values=_cache_of([_ReadOnlyLayer(k, v) for k, v in zip(keys, values)]),
+            use_cache=False,
+        ).last_hidden_state  # [bins, width, H]
+    flat = torch.cat([prefix.last_hidden, hidden.reshape(n_bins * width, -1)])
+    index = torch.cat(predictor) if predictor else torch.zeros(0, dtype=torch.long, device=device)
+    return flat.index_select(0, index), batch.response_ids[mask], mask
