@@ -8,9 +8,12 @@ full `JudgeClient` path a training run uses (prompt rendering, HTTP, parsing, ju
 cache off so every call is a request). Every call has a distinct prompt.
 
 Printed: the wall time of the N concurrent calls against the ideal ceil(N / cap) x latency; the
-server's highest in-flight count (must equal the cap, never exceed it); the sequential rate
-measured on a subset (`--sequential` calls with cap 1) and extrapolated to N calls; and the
-sequential / concurrent ratio. Rounds alternate concurrent and sequential runs; the median is kept.
+server's highest in-flight count (must equal the cap, never exceed it); the CPU time per call of
+the client process and of the server process during the concurrent runs (a wave of `cap` answers
+is processed one after the other on the client's event loop, so cap x client CPU per call must
+stay well below the latency); the sequential rate measured on a subset (`--sequential` calls with
+cap 1) and extrapolated to N calls; and the sequential / concurrent ratio. Rounds alternate
+concurrent and sequential runs; the median is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,6 +63,11 @@ def server_stats(base_url: str, reset: bool = True) -> dict:
         return json.loads(response.read())
 
 
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_calls(base_url: str, cap: int, count: int, tag: str) -> float:
     cfg = JudgeConfig(
         name=f"bench-{tag}", base_url=base_url, model="fake", cache_path="", max_concurrent_requests=cap
@@ -83,14 +92,18 @@ def main() -> None:
     process, base_url = start_server(args.latency)
     try:
         ideal = math.ceil(args.calls / args.cap) * args.latency
-        concurrent, sequential, peaks = [], [], []
+        concurrent, sequential, peaks, client_cpu, server_cpu = [], [], [], [], []
         for round_index in range(args.rounds):
             order = ("concurrent", "sequential") if round_index % 2 == 0 else ("sequential", "concurrent")
             for kind in order:
-                server_stats(base_url)
+                before = server_stats(base_url)
                 if kind == "concurrent":
+                    cpu = cpu_seconds()
                     concurrent.append(run_calls(base_url, args.cap, args.calls, f"c{round_index}"))
-                    peaks.append(server_stats(base_url)["max_in_flight"])
+                    client_cpu.append((cpu_seconds() - cpu) / args.calls)
+                    after = server_stats(base_url)
+                    peaks.append(after["max_in_flight"])
+                    server_cpu.append((after["cpu_s"] - before["cpu_s"]) / args.calls)
                     print(f"round {round_index}: {args.calls} calls, cap {args.cap}: {concurrent[-1]:.3f} s")
                 else:
                     sequential.append(run_calls(base_url, 1, args.sequential, f"s{round_index}"))
@@ -105,6 +118,10 @@ def main() -> None:
         f"{args.latency:g} s = {ideal:.3f} s; overhead {100 * (concurrent_s / ideal - 1):+.1f}%"
     )
     print(f"server max in flight: {max(peaks)} (cap {args.cap})")
+    print(
+        f"CPU per call: client {1e3 * statistics.median(client_cpu):.2f} ms, "
+        f"server {1e3 * statistics.median(server_cpu):.2f} ms (medians; the client's includes its connections)"
+    )
     print(
         f"sequential: {sequential_s:.3f} s for {args.calls} calls (measured on {args.sequential}, extrapolated)"
     )

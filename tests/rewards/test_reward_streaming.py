@@ -9,7 +9,7 @@ import pytest
 
 from grouprl.data.sample import Sample
 from grouprl.rewards.composite import CompositeReward, RewardComponent
-from grouprl.rewards.streaming import StreamingRewards, batch_summary
+from grouprl.rewards.streaming import StreamingRewards, _covered, batch_summary
 from grouprl.rollout.trajectory import Trajectory
 
 JUDGE_LATENCY = 0.2
@@ -97,3 +97,29 @@ def test_batch_summary_leaves_nan_out():
         t.reward, t.rewards = r, {"judge": r}
     summary = batch_summary(groups)
     assert summary == {"reward/judge": 0.5, "reward/mean": 0.5, "reward/std": 0.5}
+
+
+def test_hidden_time_counts_scoring_not_the_gap_between_groups():
+    """An agent batch: one group ends early and is scored, the rest end with the last turn.
+    Only the early group's scoring overlaps generation, not the idle gap after it."""
+    groups = batch(groups=3, n=2)
+    streaming = StreamingRewards(reward())
+    try:
+        streaming.submit(groups[0])  # scored from 0 to ~JUDGE_LATENCY
+        time.sleep(JUDGE_LATENCY + 0.4)  # later turns generate; no reward work in flight
+        for group in groups[1:]:
+            streaming.submit(group)
+        metrics = streaming.finish(time.perf_counter())
+    finally:
+        streaming.close()
+    assert JUDGE_LATENCY - 0.01 <= metrics["time/reward_hidden"] <= JUDGE_LATENCY + 0.1
+    assert metrics["time/reward_span"] >= 2 * JUDGE_LATENCY + 0.4 - 0.01
+    assert metrics["time/reward"] >= JUDGE_LATENCY - 0.01  # the last groups' judge after generation
+
+
+def test_covered_is_the_union_cut_at_the_end_of_generation():
+    intervals = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6), (6.0, 7.0)]
+    assert _covered(intervals, 10.0) == pytest.approx(2.0 + 1.0 + 1.0)
+    assert _covered(intervals, 3.5) == pytest.approx(2.0 + 0.5)
+    assert _covered(intervals, 0.25) == pytest.approx(0.25)
+    assert _covered([], 5.0) == 0.0

@@ -55,3 +55,75 @@ def test_search_without_a_retriever_is_a_config_error(tmp_path, model_dir, index
     overrides = [o for o in agent_overrides(index_dir) if not o.startswith("agent.retriever.index")]
     with pytest.raises(ConfigError, match="agent.tools has search: set agent.retriever.index"):
         Trainer(load_config(config, overrides))
+
+
+def _track_submissions(trainer):
+    """Record each group handed to the streaming scorer, and whether the agent loop was running."""
+    running, submitted = [False], []
+    run, submit = trainer.agent.run, trainer.streaming.submit
+
+    def tracked_run(*args, **kwargs):
+        running[0] = True
+        try:
+            return run(*args, **kwargs)
+        finally:
+            running[0] = False
+
+    def tracked_submit(group):
+        submitted.append((running[0], group))
+        submit(group)
+
+    trainer.agent.run, trainer.streaming.submit = tracked_run, tracked_submit
+    return submitted
+
+
+def test_streaming_agent_rewards_equal_batch_rewards(tmp_path, model_dir, index_dir):
+    """reward.streaming hands each group to the scorer from inside the agent loop (policy answers,
+    a judge over HTTP); the step's trajectories and rewards equal those of a run that scores the
+    whole batch after the loop, with the same seed."""
+    from grouprl.rewards.judges.fake_server import FakeJudgeServer, Reply
+
+    def behaviour(call):  # a judge grade that depends on the response text
+        return Reply(content=json.dumps({"correctness": len(call.user_text) % 10}))
+
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    with FakeJudgeServer(latency=0.02, behaviour=behaviour) as server:
+        common = [
+            *(o for o in agent_overrides(index_dir) if not o.startswith("agent.answer_generator")),
+            "agent.answer_generator=policy",
+            "agent.answer_max_tokens=4",
+            "agent.max_turns=3",
+            f"reward.judges=[{{name: j, model: fake, base_url: '{server.base_url}', cache_path: '', "
+            "fields: {correctness: 1.0}, scale: 9}]",
+            f"reward.components=[{{name: a, function: '{tmp_path / 'reward_a.py'}:score', weight: 1.0}}, "
+            "{name: judge, function: 'judge:j', weight: 0.5}]",
+        ]
+        runs = {}
+        for streaming in (True, False):
+            overrides = [
+                f"reward.streaming={str(streaming).lower()}",
+                f"trainer.experiment_name=run{int(streaming)}",
+            ]
+            trainer = Trainer(load_config(config, [*common, *overrides]))
+            submitted = _track_submissions(trainer) if streaming else []
+            metrics, trajectories = trainer.train_step()
+            runs[streaming] = (metrics, trajectories, submitted)
+            if trainer.streaming is not None:
+                trainer.streaming.close()
+            trainer.reward.close()
+        requests = server.requests
+
+    (s_metrics, s_traj, submitted), (b_metrics, b_traj, _) = runs[True], runs[False]
+    assert [t.response_ids for t in s_traj] == [t.response_ids for t in b_traj]
+    assert [t.loss_mask for t in s_traj] == [t.loss_mask for t in b_traj]
+    assert [t.rewards for t in s_traj] == [t.rewards for t in b_traj]
+    assert [t.reward for t in s_traj] == [t.reward for t in b_traj]
+    assert len({t.rewards["judge"] for t in s_traj}) > 1  # the judge's grades vary
+    assert all(t.turns[-1]["action"] == "answer" for t in s_traj)  # the policy wrote the answers
+    for key in ("reward/mean", "reward/std", "reward/a", "reward/judge"):
+        assert s_metrics[key] == pytest.approx(b_metrics[key], abs=1e-12), key
+    # each group went to the scorer once, from inside the agent loop, as the step's trajectories
+    assert [running for running, _ in submitted] == [True, True]
+    assert [t for _, group in submitted for t in group] == s_traj
+    assert "time/reward_hidden" in s_metrics and "time/reward_hidden" not in b_metrics
+    assert requests == 2 * len(s_traj)

@@ -1,5 +1,7 @@
 """Streaming rewards: a group is scored as soon as its n trajectories are complete, while the
-other groups are still generating.
+other groups are still generating. The trainer submits groups from the generator's callback:
+`HFEngine.generate(on_group_done=...)` for single-turn rollouts, `AgentLoop.run(on_group_done=...)`
+for the agent loop (a group there is complete once all its samples have ended and been answered).
 
 Generation runs on the caller's thread; scoring runs on a background thread that owns an
 asyncio event loop, so the judges' HTTP calls of finished groups are in flight while the model
@@ -10,7 +12,10 @@ generation:
 
     time/reward          wall time the step waited for rewards after generation ended
     time/reward_span     first group submitted -> last group scored
-    time/reward_hidden   the part of that span that overlapped generation
+    time/reward_hidden   wall time before generation ended during which some group was being
+                         scored (the union of the groups' submitted -> scored intervals): an
+                         agent group scored early, then nothing until the last turn, counts only
+                         its own scoring time
 """
 
 from __future__ import annotations
@@ -43,20 +48,20 @@ class StreamingRewards:
         self._thread = threading.Thread(target=self._loop.run_forever, name="grouprl-rewards", daemon=True)
         self._thread.start()
         self._pending: list[tuple[list[Trajectory], Future]] = []
-        self._first_submit: float | None = None
-        self._last_done = 0.0
+        self._intervals: list[list[float]] = []  # per group [submitted, scored] (perf_counter)
 
     def submit(self, group: list[Trajectory]) -> None:
         """Start scoring one finished group (its trajectories are scored in place)."""
-        if self._first_submit is None:
-            self._first_submit = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(self._score(group), self._loop)
+        interval = [time.perf_counter(), math.inf]
+        self._intervals.append(interval)
+        future = asyncio.run_coroutine_threadsafe(self._score(group, interval), self._loop)
         self._pending.append((group, future))
 
-    async def _score(self, group: list[Trajectory]) -> dict[str, float]:
-        metrics = await self.reward.ascore(group)
-        self._last_done = max(self._last_done, time.perf_counter())
-        return metrics
+    async def _score(self, group: list[Trajectory], interval: list[float]) -> dict[str, float]:
+        try:
+            return await self.reward.ascore(group)
+        finally:
+            interval[1] = time.perf_counter()
 
     def finish(self, generation_end: float | None = None) -> dict[str, float]:
         """Wait for every submitted group; the merged metrics of this batch. `generation_end`
@@ -80,18 +85,29 @@ class StreamingRewards:
             merged[key] /= weight
         merged.update(batch_summary(trajectories))
         done = time.perf_counter()
-        start = self._first_submit if self._first_submit is not None else done
-        last = max(self._last_done, start)
+        intervals = sorted((start, min(end, done)) for start, end in self._intervals)
         merged["time/reward"] = max(0.0, done - generation_end)
-        merged["time/reward_span"] = last - start
-        merged["time/reward_hidden"] = max(0.0, min(generation_end, last) - start)
-        self._pending, self._first_submit, self._last_done = [], None, 0.0
+        first = intervals[0][0] if intervals else done
+        merged["time/reward_span"] = max((end for _, end in intervals), default=first) - first
+        merged["time/reward_hidden"] = _covered(intervals, generation_end)
+        self._pending, self._intervals = [], []
         return merged
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+def _covered(intervals: list[tuple[float, float]], until: float) -> float:
+    """Length of the union of sorted (start, end) intervals, cut at `until`."""
+    total, reach = 0.0, -math.inf
+    for start, end in intervals:
+        start, end = max(start, reach), min(end, until)
+        if end > start:
+            total += end - start
+        reach = max(reach, end)
+    return total
 
 
 def batch_summary(trajectories: list[Trajectory]) -> dict[str, float]:

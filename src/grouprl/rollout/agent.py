@@ -26,12 +26,19 @@ policy answered itself), or "length" when it never finished (out of turns or of
 
 With `reuse_kv_cache` every trajectory keeps its KV cache between turns (hf_engine.KVSession)
 and a turn prefills only the observation; without it each turn re-prefills the conversation.
+
+Trajectories that end in a turn are answered together at the end of that turn (a remote
+generator on a worker thread, its answers written when they have arrived, while later turns
+generate). A group whose n trajectories are all final is handed to `on_group_done` right away,
+so its rewards can be scored while the other groups are still searching.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,7 +49,13 @@ from grouprl.data.prompts import encode_prompt
 from grouprl.data.sample import Sample
 from grouprl.rollout.actions import STOP_STRINGS, Action, parse_action
 from grouprl.rollout.agent_prompts import LAST_TURN, correction, protocol_prompt, with_protocol
-from grouprl.rollout.answer import AnswerGenerator, AnswerRequest, build_answer_generator
+from grouprl.rollout.answer import (
+    AnswerGenerator,
+    AnswerRequest,
+    AnswerResult,
+    OpenAIAnswerGenerator,
+    build_answer_generator,
+)
 from grouprl.rollout.chat import ChatRenderer
 from grouprl.rollout.hf_engine import Generation, HFEngine, SamplingParams
 from grouprl.rollout.tools.base import AgentState, Observation, Tool
@@ -51,6 +64,8 @@ from grouprl.rollout.trajectory import Trajectory
 log = logging.getLogger(__name__)
 
 RECORD_CHARS = 300  # turn records keep this much of an argument or observation
+
+GroupCallback = Callable[[int, list[Trajectory]], None]
 
 
 @dataclass
@@ -62,6 +77,7 @@ class _Rollout:
     text: list[str] = field(default_factory=list)  # response text pieces, observations marked
     evidence: list[str] = field(default_factory=list)  # successful tool observations, for the answer
     needs_answer: bool = False
+    final: bool = False  # nothing will be appended any more (answer written when one was due)
 
     def append(self, ids: list[int], mask: int, text: str) -> None:
         self.trajectory.response_ids.extend(ids)
@@ -96,6 +112,7 @@ class AgentLoop:
         self.chat = ChatRenderer(tokenizer, cfg.observation_role)
         self.system_prompt = protocol_prompt("none" if self.self_answer else "frozen", cfg.system_prompt)
         self.stats: dict[str, float] = {}  # the last run's counts, as metrics
+        self._answer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # remote answer calls
 
     def encode_prompts(self, samples: list[Sample]) -> list[list[int]]:
         """Prompt ids with the protocol system prompt in front of each sample's messages."""
@@ -108,12 +125,16 @@ class AgentLoop:
         n: int,
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        on_group_done: GroupCallback | None = None,
     ) -> list[Trajectory]:
         """n trajectories per prompt, prompt-major (prompt 0 samples 0..n-1, prompt 1 ...).
-        params.max_new_tokens bounds each turn."""
-        return asyncio.run(self.arun(samples, prompts, n, params, generator))
+        params.max_new_tokens bounds each turn. `on_group_done(i, group)` gets prompt i's n
+        trajectories, once, as soon as all of them are final (answer written), on the calling
+        thread, while other groups may still be running; they are the objects returned at the
+        end and are not changed after the call."""
+        return asyncio.run(self.arun(samples, prompts, n, params, generator, on_group_done))
 
-    async def arun(self, samples, prompts, n, params, generator=None) -> list[Trajectory]:
+    async def arun(self, samples, prompts, n, params, generator=None, on_group_done=None) -> list[Trajectory]:
         rollouts = [
             _Rollout(
                 AgentState(sample=samples[i], index=j),
@@ -127,46 +148,51 @@ class AgentLoop:
         prefill_before = self.engine.prefill_tokens
         active = list(range(len(rollouts)))
         new_tokens: list[list[int]] = [[] for _ in rollouts]  # appended since the row's last turn
+        groups = _Groups(rollouts, n, on_group_done)
+        answering: list[_Answering] = []  # remote answer calls in flight
 
         for turn in range(self.cfg.max_turns):
             if not active:
                 break
             generations = session.generate(active, [new_tokens[k] for k in active], turn_params, generator)
+            answering = self._settle(answering, groups)
             actions = [parse_action(g.text) for g in generations]
             for k, g in zip(active, generations):
                 rollouts[k].append(g.token_ids, 1, g.text)
             # every tool call of the turn at once: searches wait on I/O, not on each other
             observations = await asyncio.gather(*(self._act(rollouts[k], a) for k, a in zip(active, actions)))
 
-            still_active = []
+            still_active, ended = [], []
             for k, g, action, obs in zip(active, generations, actions, observations):
                 r = rollouts[k]
                 r.state.turn += 1
                 r.trajectory.turns.append(_turn_record(turn, g, action, obs))
                 if r.state.finished:
                     session.release(k)
+                    ended.append(r)
                     continue
                 if turn == self.cfg.max_turns - 1:
                     self._unfinished(r, "max_turns")
                     session.release(k)
+                    ended.append(r)
                     continue
                 ids, text = self._observation(obs, g, next_is_last=turn + 1 == self.cfg.max_turns - 1)
                 budget = self.cfg.max_response_tokens
                 if budget and len(r.trajectory.response_ids) + len(ids) >= budget:
                     self._unfinished(r, "length")
                     session.release(k)
+                    ended.append(r)
                     continue
                 r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
                 r.trajectory.turns[-1]["masked_tokens"] = len(ids)
                 new_tokens[k] = ids
                 still_active.append(k)
             active = still_active
+            answering += await self._answer(ended, groups)
 
-        await self._write_answers([r for r in rollouts if r.needs_answer])
+        for batch, future in answering:
+            self._write_answers(batch, await asyncio.wrap_future(future), groups)
         self.stats = _stats(rollouts, self.engine.prefill_tokens - prefill_before)
-        for r in rollouts:
-            r.trajectory.response_text = "".join(r.text)
-            r.trajectory.retrieved = list(r.state.retrieved_ids)
         return [r.trajectory for r in rollouts]
 
     # ------------------------------------------------------------------ one turn
@@ -234,11 +260,34 @@ class AgentLoop:
         r.trajectory.turns[-1]["unfinished"] = reason
 
     # ------------------------------------------------------------------ the frozen answer
-    async def _write_answers(self, rollouts: list[_Rollout]) -> None:
-        if not rollouts or self.answer_generator is None:
-            return
-        requests = [AnswerRequest(_question(r.state.sample), r.evidence) for r in rollouts]
-        results = await self.answer_generator.answer(requests)
+    async def _answer(self, ended: list[_Rollout], groups: _Groups) -> list[_Answering]:
+        """Answer the trajectories that ended this turn in one call; those that need no answer
+        are final now. A local generator answers here (it shares the device with the policy);
+        a remote one answers on a worker thread while the next turns generate: its call is
+        returned, to be written by `_settle`."""
+        due = [r for r in ended if r.needs_answer and self.answer_generator is not None]
+        groups.final([r for r in ended if not (r.needs_answer and self.answer_generator is not None)])
+        if not due:
+            return []
+        requests = [AnswerRequest(_question(r.state.sample), r.evidence) for r in due]
+        if isinstance(self.answer_generator, OpenAIAnswerGenerator):
+            if self._answer_pool is None:
+                self._answer_pool = concurrent.futures.ThreadPoolExecutor(2, "grouprl-answers")
+            return [(due, self._answer_pool.submit(asyncio.run, self.answer_generator.answer(requests)))]
+        self._write_answers(due, await self.answer_generator.answer(requests), groups)
+        return []
+
+    def _settle(self, answering: list[_Answering], groups: _Groups) -> list[_Answering]:
+        """Write the remote answers that have arrived; the calls still out."""
+        out = []
+        for batch, future in answering:
+            if future.done():
+                self._write_answers(batch, future.result(), groups)
+            else:
+                out.append((batch, future))
+        return out
+
+    def _write_answers(self, rollouts: list[_Rollout], results: list[AnswerResult], groups: _Groups) -> None:
         for r, result in zip(rollouts, results):
             record = {"turn": r.state.turn, "action": "answer", "generator": self.cfg.answer_generator}
             if result.error:
@@ -256,6 +305,34 @@ class AgentLoop:
                 )
             record["tokens"] = 0
             r.trajectory.turns.append(record)
+        groups.final(rollouts)
+
+
+_Answering = tuple[list["_Rollout"], concurrent.futures.Future]  # trajectories, their answer call
+
+
+class _Groups:
+    """Marks trajectories final and reports each group once, when its last trajectory is."""
+
+    def __init__(self, rollouts: list[_Rollout], n: int, on_group_done: GroupCallback | None):
+        self.rollouts, self.n, self.on_group_done = rollouts, n, on_group_done
+        self.group_of = {id(r): k // n for k, r in enumerate(rollouts)}
+        self.open = [n] * (len(rollouts) // n) if n else []  # trajectories not yet final, per group
+
+    def final(self, rollouts: list[_Rollout]) -> None:
+        completed = []
+        for r in rollouts:
+            assert not r.final, "a trajectory is final once"
+            r.final = True
+            r.trajectory.response_text = "".join(r.text)
+            r.trajectory.retrieved = list(r.state.retrieved_ids)
+            g = self.group_of[id(r)]
+            self.open[g] -= 1
+            if self.open[g] == 0:
+                completed.append(g)
+        if self.on_group_done is not None:
+            for g in sorted(completed):
+                self.on_group_done(g, [r.trajectory for r in self.rollouts[g * self.n : (g + 1) * self.n]])
 
 
 class _Reprefill:

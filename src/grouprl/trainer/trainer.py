@@ -301,11 +301,14 @@ class Trainer:
         params = self.sampling_params(evaluation)
         if self.agent is not None:
             with autocast(self.device, self.compute_dtype):
-                trajectories = self.agent.run(samples, prompts, n, params, generator)
-            if on_group is not None:
-                for g in range(len(samples)):
-                    on_group(trajectories[g * n : (g + 1) * n])
-            return trajectories
+                return self.agent.run(
+                    samples,
+                    prompts,
+                    n,
+                    params,
+                    generator,
+                    on_group_done=(lambda i, group: on_group(group)) if on_group is not None else None,
+                )
 
         made: dict[int, Trajectory] = {}
 

@@ -17,7 +17,8 @@ Without a behaviour the judge answers `{"correctness": N}` where N is the digit 
 
 `python -m grouprl.rewards.judges.fake_server --latency 0.2` serves in the foreground and
 prints its base URL (for a benchmark client in another process); `GET /stats[?reset=1]` returns
-(and resets) its request count and highest in-flight count.
+(and resets) its request count and highest in-flight count, with the CPU seconds its process
+has used (`cpu_s`, for a benchmark to tell a busy server from a busy client).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,12 +197,13 @@ class FakeJudgeServer:
             with self._lock:
                 self.in_flight -= 1
 
-    def stats(self, reset: bool = False) -> dict[str, int]:
+    def stats(self, reset: bool = False) -> dict[str, float]:
         with self._lock:
             counts = {
                 "requests": self.requests,
                 "max_in_flight": self.max_in_flight,
                 "in_flight": self.in_flight,
+                "cpu_s": time.process_time(),
             }
             if reset:
                 self.requests, self.max_in_flight = 0, self.in_flight

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import email.utils
+import json
 import time
 from typing import Any
 
@@ -61,7 +62,7 @@ def chat_messages(prompt: JudgePrompt) -> list[dict[str, Any]]:
 
 
 class OpenAICompatBackend:
-    """POST {base_url}/chat/completions through a few small connection pools."""
+    """POST {base_url}/chat/completions through a few small httpx connection pools."""
 
     def __init__(self, cfg: JudgeConfig, api_key: str | None) -> None:
         if not cfg.model:
@@ -70,17 +71,20 @@ class OpenAICompatBackend:
         self.base_url = cfg.base_url.rstrip("/")
         self._cfg = cfg
         self._api_key = api_key
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._clients: list[httpx.AsyncClient] = []  # created on the judge's loop at first use
         self._busy: list[int] = []  # requests out per client
+        self._sizes: list[int] = []  # connections per client
 
     def _pick_client(self) -> int:
-        """The least busy of ceil(cap / _SHARD) pooled clients (made on first use, on the judge loop).
+        """The httpx client with the most free connections, of ceil(cap / _SHARD) (made on first
+        use, on the judge loop).
 
         httpcore's pool scans every queued request against every connection on each change,
         so one pool of 50 connections spends more CPU than the requests; pools of a few
-        connections keep that scan small."""
+        connections keep that scan small. Picking by free connections (not by requests out:
+        the last pool may be smaller) never queues a request while another pool has room."""
         if not self._clients:
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
             cap = self._cfg.max_concurrent_requests
             tls = httpx.create_ssl_context()  # one for all pools: building one costs milliseconds
             for start in range(0, cap, _SHARD):
@@ -88,14 +92,15 @@ class OpenAICompatBackend:
                 self._clients.append(
                     httpx.AsyncClient(
                         base_url=self.base_url + "/",
-                        headers=headers,
+                        headers=self._headers,
                         verify=tls,
                         timeout=httpx.Timeout(self._cfg.timeout_s),
                         limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
                     )
                 )
                 self._busy.append(0)
-        return min(range(len(self._clients)), key=self._busy.__getitem__)
+                self._sizes.append(size)
+        return max(range(len(self._clients)), key=lambda i: self._sizes[i] - self._busy[i])
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._api_key, "[redacted]") if self._api_key else text
@@ -107,10 +112,32 @@ class OpenAICompatBackend:
             "temperature": self._cfg.temperature,
             "max_tokens": self._cfg.max_tokens,
         }
+        body = json.dumps(payload).encode()
+        status, retry_after, data = await self._post(body)
+        if status != 200:
+            raise self._status_error(status, data.decode("utf-8", errors="replace"), retry_after)
+        try:
+            reply = json.loads(data)
+            message = reply["choices"][0]["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            text = data.decode("utf-8", errors="replace")
+            raise JudgeBackendError(
+                f"unreadable response body: {self._scrub(_preview(text))}", retryable=True
+            ) from None
+        usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+        return Completion(
+            text=self._scrub(_content_text(message.get("content"))),
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+        )
+
+    async def _post(self, body: bytes) -> tuple[int, str | None, bytes]:
         shard = self._pick_client()
         self._busy[shard] += 1
         try:
-            response = await self._clients[shard].post("chat/completions", json=payload)
+            response = await self._clients[shard].post(
+                "chat/completions", content=body, headers={"Content-Type": "application/json"}
+            )
         except httpx.TimeoutException:
             raise JudgeBackendError(f"timed out after {self._cfg.timeout_s:g}s", retryable=True) from None
         except httpx.TransportError as e:  # connection refused/reset, truncated body, protocol errors
@@ -119,25 +146,10 @@ class OpenAICompatBackend:
             ) from None
         finally:
             self._busy[shard] -= 1
-        if response.status_code != 200:
-            raise self._status_error(response)
-        try:
-            body = response.json()
-            message = body["choices"][0]["message"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise JudgeBackendError(
-                f"unreadable response body: {self._scrub(_preview(response.text))}", retryable=True
-            ) from None
-        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
-        return Completion(
-            text=self._scrub(_content_text(message.get("content"))),
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
-        )
+        return response.status_code, response.headers.get("retry-after"), response.content
 
-    def _status_error(self, response: httpx.Response) -> JudgeBackendError:
-        status = response.status_code
-        detail = self._scrub(_preview(response.text))
+    def _status_error(self, status: int, text: str, retry_after: str | None) -> JudgeBackendError:
+        detail = self._scrub(_preview(text))
         hint = ""
         if status in (401, 403):
             hint = (
@@ -150,13 +162,13 @@ class OpenAICompatBackend:
         return JudgeBackendError(
             f"HTTP {status}{hint}: {detail}",
             retryable=status in RETRYABLE_STATUS,
-            retry_after=parse_retry_after(response.headers.get("retry-after")),
+            retry_after=parse_retry_after(retry_after),
         )
 
     async def aclose(self) -> None:
         for client in self._clients:
             await client.aclose()
-        self._clients, self._busy = [], []
+        self._clients, self._busy, self._sizes = [], [], []
 
     def __repr__(self) -> str:
         return f"OpenAICompatBackend(base_url={self.base_url!r}, model={self.model!r})"
