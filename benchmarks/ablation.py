@@ -14,9 +14,12 @@ parent compares with the naive variant's. The generation variants time `HFEngine
 same prompts with and without the one-prefill-per-group cache expansion.
 
 Variants (each turns one thing off, or on, relative to `grouprl`):
-  grouprl          shared prefix, LM head at response positions in checkpointed chunks,
-                   micro-batches of one group (8 rows), float32
+  grouprl          shared prefix with the responses of a prompt packed end to end (no padding),
+                   LM head at response positions in chunks with a hand-written backward,
+                   micro-batches of one group (8 rows), float32, fused AdamW
   no-shared-prefix every row runs prompt + response (what TRL and verl do)
+  no-packing       shared prefix, but one padded response per row on the prompt's repeated cache
+  autograd-head    the LM head chunks under activation checkpointing with autograd's backward
   full-logits      the [tokens, vocab] logits of a micro-batch materialised at once (no chunks)
   bf16             bf16 autocast (native only on AVX512-BF16/AMX CPUs and CUDA)
   token-budget     micro-batches by a token budget (--budget) instead of a row count
@@ -42,6 +45,8 @@ from pathlib import Path
 VARIANTS = {
     "grouprl": {},
     "no-shared-prefix": {"shared_prefix": False},
+    "no-packing": {"pack": False},
+    "autograd-head": {"autograd_head": True},
     "full-logits": {"full_logits": True},
     "bf16": {"dtype": "bfloat16"},
     "token-budget": {"token_budget": True},
@@ -160,6 +165,10 @@ def run_child(args) -> dict:
     else:
         if v.get("full_logits"):
             logprobs.chunked_token_stats = full_logits_stats  # the module-level name the paths call
+        if v.get("pack") is False:
+            logprobs.PACK_TOKENS = 0
+        if v.get("autograd_head"):
+            logprobs._plain_linear = lambda head: False  # the checkpointed-chunk path
         rows_per_micro = args.micro_batch_size
         budget = 0
         if v.get("token_budget"):

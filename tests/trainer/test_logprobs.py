@@ -270,6 +270,7 @@ def test_pack_fills_bins_of_one_prompt_first_fit_decreasing():
     # capacity 6: the 6-token responses fill a bin each; 4 and 1 share one; 3 and 2 are alone
     assert _pack(lengths, prefix_of_row, 6) == [(1, [4]), (0, [5]), (0, [0, 2]), (1, [1]), (2, [3])]
     assert _pack([], [], 6) == []
+    assert _pack(lengths, prefix_of_row, 0) == [(g, [i]) for i, g in enumerate(prefix_of_row)]  # unpacked
 
 
 def test_responses_split_over_several_packed_rows_match_full_logits(model, batch, monkeypatch):
@@ -280,7 +281,7 @@ def test_responses_split_over_several_packed_rows_match_full_logits(model, batch
     mask = batch.response_mask
     ref_lp, ref_ent = reference(model, batch)
     expected = grads(model, scalar_loss(ref_lp, ref_ent, mask))
-    for capacity in (6, 8):  # 6: the longest response alone in a row; 8: bins of mixed fill
+    for capacity in (6, 8, 0):  # 6: the longest alone in a row; 8: bins of mixed fill; 0: unpacked
         monkeypatch.setattr(logprobs, "PACK_TOKENS", capacity)
         lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, chunk_size=5)
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)

@@ -333,11 +333,14 @@ def _full_sequence_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
 PACK_TOKENS = 512
 """A packed row holds responses of one prompt up to max(this, the longest response) tokens: the
 padding of unequal responses goes away, while a query attends to at most prompt + 512 keys
-(attention stays small next to the MLPs at that length)."""
+(attention stays small next to the MLPs at that length). 0: one response per row, padded."""
 
 
 def _pack(lengths: list[int], prefix_of_row: list[int], capacity: int) -> list[tuple[int, list[int]]]:
-    """Rows into bins of one prefix each, first-fit by decreasing length: [(prefix, [rows])]."""
+    """Rows into bins of one prefix each, first-fit by decreasing length: [(prefix, [rows])].
+    capacity 0: a bin per row, in row order."""
+    if capacity <= 0:
+        return [(u, [i]) for i, u in enumerate(prefix_of_row)]
     bins: list[tuple[int, list[int]]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -360,7 +363,7 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
     device = batch.response_ids.device
     mask = batch.response_mask.bool()
     lengths = mask.sum(-1).tolist()
-    bins = _pack(lengths, prefix_index, max(PACK_TOKENS, max(lengths, default=1)))
+    bins = _pack(lengths, prefix_index, PACK_TOKENS and max(PACK_TOKENS, max(lengths, default=1)))
     width = max(1, max(sum(lengths[i] for i in rows) for _, rows in bins))
     n_bins, n_prefix = len(bins), prefix.last_hidden.shape[0]
     ids = torch.zeros((n_bins, width), dtype=torch.long, device=device)
