@@ -59,3 +59,20 @@ def clients():
 def home_in_tmp(tmp_path, monkeypatch):
     """`~` (the default judge cache lives in ~/.cache/grouprl) points into the test's folder."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture
+def start_gemini_server():
+    """start_gemini_server(behaviour=...) -> a running FakeGeminiServer (see fake_gemini.py)."""
+    from fake_gemini import FakeGeminiServer
+
+    servers = []
+
+    def start(behaviour=None) -> FakeGeminiServer:
+        server = FakeGeminiServer(behaviour=behaviour).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -16,6 +16,7 @@ from grouprl.config import to_dict
 from grouprl.errors import ConfigError
 from grouprl.rewards.judges import Completion, JudgeClient, JudgeRequest
 from grouprl.rewards.judges.fake_server import Reply
+from grouprl.rewards.judges.openai_compat import OpenAICompatBackend
 
 
 def requests_for(grades, prefix="q"):
@@ -195,7 +196,7 @@ def test_unreachable_server_fails_fast(judge_config, clients):
     clients.append(client)
     (result,) = client.judge_many(requests_for([1]))
     assert not result.ok and result.attempts == 3
-    assert result.error.startswith("ConnectError")
+    assert result.error.startswith("cannot connect to http://127.0.0.1:1/v1: ")
 
 
 def test_every_sample_ends_scored_or_failed(start_server, judge_config, clients):
@@ -327,3 +328,20 @@ def test_the_api_key_never_leaks(start_server, judge_config, clients, tmp_path, 
     assert all(not r.ok for r in results)
     assert any("[redacted]" in r.error for r in results)  # the echo was scrubbed, not dropped
     assert not [text for text in outputs if key in text]
+
+
+@pytest.mark.parametrize("proxy", ["", "http://127.0.0.1:3128"])
+def test_proxy_variables_are_read_only_when_set(judge_config, monkeypatch, proxy):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    if proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy)
+    backend = OpenAICompatBackend(judge_config(None, base_url="http://127.0.0.1:9/v1"), None)
+
+    async def session_trusts_env() -> bool:
+        try:
+            return backend._http().trust_env
+        finally:
+            await backend.aclose()
+
+    assert asyncio.run(session_trusts_env()) is bool(proxy)

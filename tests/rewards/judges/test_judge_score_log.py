@@ -158,7 +158,7 @@ def test_user_mistakes_are_one_line_errors(start_server, tmp_path):
         )
     write_rollouts(tmp_path / "r.jsonl", 30)
     started = time.monotonic()
-    with pytest.raises(UserError, match="every call failed; first error: ConnectError"):
+    with pytest.raises(UserError, match="every call failed; first error: cannot connect to http://127.0.0.1:1/v1"):
         run_cli("--input", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "o2"), "--model", "m",
                 "--base-url", "http://127.0.0.1:1/v1", "--cache", "", "--max-retries", "0")  # fmt: skip
     assert time.monotonic() - started < 5
