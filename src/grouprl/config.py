@@ -113,6 +113,8 @@ class RolloutConfig:
     """Prefill each group's prompt once and expand its KV cache to the n_agent samples."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Generation precision: bfloat16 = autocast; auto = actor.dtype's choice on CUDA, float32 on CPU (bf16 decoding is slower there)."""
 
 
 @dataclass

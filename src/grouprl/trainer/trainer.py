@@ -46,6 +46,7 @@ from grouprl.trainer.models import (
     resolve_device,
     resolve_dtype,
     resolve_model_path,
+    resolve_rollout_dtype,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.update import PolicyUpdater, build_step_tensors
@@ -120,6 +121,9 @@ class Trainer:
         self.device = resolve_device(cfg.trainer.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.compute_dtype = resolve_compute_dtype(cfg.actor.dtype, self.device, self.dtype)
+        self.rollout_dtype = resolve_rollout_dtype(
+            cfg.rollout.dtype, self.device, self.dtype, self.compute_dtype
+        )
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model, model_path)
         self.model = load_causal_lm(cfg.model, model_path, self.device, self.dtype)
@@ -300,7 +304,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 1) if evaluation else self.generator
         params = self.sampling_params(evaluation)
         if self.agent is not None:
-            with autocast(self.device, self.compute_dtype):
+            with autocast(self.device, self.rollout_dtype):
                 return self.agent.run(
                     samples,
                     prompts,
@@ -328,7 +332,7 @@ class Trainer:
         def group_done(i: int, generations) -> None:
             on_group([make(i * n + j, gen) for j, gen in enumerate(generations)])
 
-        with autocast(self.device, self.compute_dtype):
+        with autocast(self.device, self.rollout_dtype):
             generations = self.engine.generate(
                 prompts, n, params, generator, on_group_done=group_done if on_group is not None else None
             )
