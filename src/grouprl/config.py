@@ -114,7 +114,7 @@ class RolloutConfig:
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Generation precision: bfloat16 = autocast; auto = actor.dtype's choice on CUDA, float32 on CPU (bf16 decoding is slower there)."""
+    """Generation precision: bfloat16 = autocast over float32 weights; auto = as actor.dtype resolves."""
 
 
 @dataclass

@@ -56,13 +56,12 @@ def test_compute_dtype_is_bf16_only_where_native_and_over_float32_weights(monkey
     assert message == "actor.dtype=bfloat16 needs float32 master weights; model.dtype gives torch.float16"
 
 
-def test_generation_dtype_is_float32_on_cpu_unless_forced():
+def test_generation_dtype_follows_the_update_unless_set():
     bf16 = torch.bfloat16
-    assert models.resolve_rollout_dtype("auto", CPU, torch.float32, bf16) is None  # CPU decode: fp32
-    assert models.resolve_rollout_dtype("auto", torch.device("cuda"), torch.float32, bf16) is bf16
-    assert models.resolve_rollout_dtype("auto", torch.device("cuda"), torch.float32, None) is None
-    assert models.resolve_rollout_dtype("bfloat16", CPU, torch.float32, None) is bf16  # forced
+    assert models.resolve_rollout_dtype("auto", CPU, torch.float32, bf16) is bf16
+    assert models.resolve_rollout_dtype("auto", CPU, torch.float32, None) is None
     assert models.resolve_rollout_dtype("float32", torch.device("cuda"), torch.float32, bf16) is None
+    assert models.resolve_rollout_dtype("bfloat16", CPU, torch.float32, None) is bf16  # forced
     message = load_error(models.resolve_rollout_dtype, "bfloat16", CPU, torch.float16, None)
     assert message == "rollout.dtype=bfloat16 needs float32 master weights; model.dtype gives torch.float16"
 
