@@ -43,7 +43,34 @@ def test_doctests_pass():
 
 
 def test_registry_names():
-    assert RETRIEVAL_REWARDS == {"ndcg": ndcg, "recall": recall, "anls": anls, "exact_match": exact_match}
+    assert RETRIEVAL_REWARDS == {
+        "agent_format": retrieval.agent_format,
+        "ndcg": ndcg,
+        "recall": recall,
+        "anls": anls,
+        "exact_match": exact_match,
+    }
+
+
+@pytest.mark.parametrize(
+    ("errors", "unfinished", "finish_reason", "expected"),
+    [
+        ([None, None, None], None, "stop", 1.0),
+        ([None, "unclosed_tag", None, None], None, "stop", 0.75),
+        (["no_action", "unclosed_tag"], None, "stop", 0.0),
+        ([None, None], "max_turns", "length", 0.0),  # never finished: 0 whatever its turns
+        ([None], "length", "length", 0.0),
+        ([], None, "eos", 1.0),  # not an agent: only the length cut counts
+        ([], None, "length", 0.0),
+    ],
+)
+def test_agent_format_by_hand(errors, unfinished, finish_reason, expected):
+    t = trajectory([])
+    t.finish_reason = finish_reason
+    t.turns = [{"turn": i, "error": e} for i, e in enumerate(errors)]
+    if unfinished:
+        t.turns[-1]["unfinished"] = unfinished
+    assert retrieval.agent_format(t) == expected
 
 
 def test_ndcg_by_hand():

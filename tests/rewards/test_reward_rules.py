@@ -29,6 +29,7 @@ def test_builtin_registry_names_every_rule_and_retrieval_metric():
         "soft_format": soft_format,
         "xml_count": xml_count,
         "contains_integer": contains_integer,
+        "agent_format": retrieval.agent_format,
         "ndcg": retrieval.ndcg,
         "recall": retrieval.recall,
         "anls": retrieval.anls,

@@ -404,7 +404,7 @@ def test_finished_rows_leave_the_batch_and_release_their_cache():
 
 # ------------------------------------------------------------------ the policy answers itself
 def test_self_answering_agent_is_scored_on_its_own_answer():
-    """configs/search_agent.yaml's agent and rewards (answer_generator: none; ndcg + anls): the
+    """configs/search_agent.yaml's agent and rewards (answer_generator: none; ndcg, anls, format): the
     policy searches, then answers; the answer tokens are trained and are what anls reads, never
     the answer-like text of an observation (a search hit, the last-turn notice)."""
     cfg = load_config(Path(__file__).parents[2] / "configs" / "search_agent.yaml", [])
@@ -460,9 +460,11 @@ def test_self_answering_agent_is_scored_on_its_own_answer():
     composite = CompositeReward.from_config(cfg.reward)
     composite.score(trajectories)
     assert [t.rewards for t in trajectories] == [
-        {"ndcg": 1.0, "anls": 1.0},  # the gold value
-        {"ndcg": 1.0, "anls": 0.0},  # a wrong value: edit distance 4 of 6, not below 0.5
-        {"ndcg": 1.0, "anls": pytest.approx(1 - 1 / 6)},  # one letter off: distance 1 of 6
-        {"ndcg": 1.0, "anls": 0.0},  # no answer of its own
+        {"ndcg": 1.0, "anls": 1.0, "format": 1.0},  # the gold value
+        {"ndcg": 1.0, "anls": 0.0, "format": 1.0},  # a wrong value: edit distance 4 of 6, not below 0.5
+        {"ndcg": 1.0, "anls": pytest.approx(1 - 1 / 6), "format": 1.0},  # one letter off: distance 1 of 6
+        {"ndcg": 1.0, "anls": 0.0, "format": 0.0},  # no answer of its own: never finished
     ]
-    assert [t.reward for t in trajectories] == pytest.approx([1.0, 0.5, 0.5 + 0.5 * (1 - 1 / 6), 0.5])
+    assert [t.reward for t in trajectories] == pytest.approx(
+        [1.0, 0.6, 0.4 + 0.4 * (1 - 1 / 6) + 0.2, 0.4]
+    )

@@ -1,4 +1,4 @@
-"""Retrieval and answer-overlap rewards for the search agent: NDCG, recall, ANLS, exact match.
+"""Rewards for the search agent: NDCG, recall, ANLS, exact match, protocol validity.
 
 They take their context by parameter name (see `CompositeReward`): `ndcg` and `recall` read
 `trajectory.retrieved` (unique doc ids in first-retrieval order, filled by the search tool)
@@ -200,7 +200,27 @@ def exact_match(response: str, ground_truth: Any = None) -> float:
     return 1.0 if answer is not None and _normalise(answer) in truths else 0.0
 
 
+def agent_format(trajectory: Any) -> float:
+    """Protocol validity of an agent trajectory: the share of its turns whose action was valid
+    (no corrective observation), and 0.0 when it never finished (out of turns or tokens).
+    A trajectory without turns (no agent) scores 1.0 unless it was cut at the length limit.
+
+    >>> from types import SimpleNamespace as T
+    >>> agent_format(T(turns=[{"error": None}, {"error": "unclosed_tag"}, {"error": None}], finish_reason="stop"))
+    0.6666666666666666
+    >>> agent_format(T(turns=[{"error": None}, {"error": None, "unfinished": "max_turns"}], finish_reason="length"))
+    0.0
+    """
+    turns = list(getattr(trajectory, "turns", None) or [])
+    if getattr(trajectory, "finish_reason", "") == "length" or any(t.get("unfinished") for t in turns):
+        return 0.0
+    if not turns:
+        return 1.0
+    return sum(1 for t in turns if not t.get("error")) / len(turns)
+
+
 RETRIEVAL_REWARDS: dict[str, Callable[..., float]] = {
+    "agent_format": agent_format,
     "ndcg": ndcg,
     "recall": recall,
     "anls": anls,
