@@ -6,7 +6,7 @@ client owns retries, backoff and Retry-After itself, so a second retry layer (th
 only blur the counts and delays; here every status code, header and timeout is in view. aiohttp
 rather than httpx because of the client's CPU per call: a wave of `max_concurrent_requests`
 answers is handled one after the other on one event loop, and measured against a local server
-httpx spends 1.7-2.3 ms per call (its pool re-scans queued requests on every change) where
+httpx spent 1.7-3.6 ms per call (its pool re-scans queued requests on every change) where
 aiohttp's connector spends about 0.5 ms, which at a cap of 50 and 200 ms latency is the
 difference between waves that overlap and waves that queue.
 
