@@ -362,3 +362,53 @@ def test_on_group_done_reports_each_group_once_as_soon_as_its_samples_end(
     assert calls_then < len(decode_calls)  # reported while the other groups kept decoding
     for group, generations, _ in reports:
         assert generations == out[2 * group : 2 * group + 2]
+
+
+def _random_kv(batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 2, length, 4, generator=g), torch.randn(batch, 2, length, 4, generator=g)
+
+
+def test_roomy_cache_layer_matches_concatenation_through_growth_selection_and_cropping():
+    from transformers.cache_utils import DynamicLayer
+
+    from grouprl.rollout.hf_engine import _RoomyLayer
+
+    keys, values = _random_kv(3, 5, seed=0)
+    plain = DynamicLayer()
+    plain.update(keys, values)
+    roomy = _RoomyLayer(keys, values, room=2)
+    for step in range(6):  # 6 single tokens into room for 2: it has to move twice
+        k, v = _random_kv(3 if step < 3 else 2, 1, seed=step + 1)
+        if step == 3:  # a row leaves the batch
+            keep = torch.tensor([0, 2])
+            plain.batch_select_indices(keep)
+            roomy.batch_select_indices(keep)
+        got_k, got_v = roomy.update(k, v)
+        want_k, want_v = plain.update(k, v)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        assert roomy.get_seq_length() == plain.get_seq_length() == 6 + step
+    roomy.batch_repeat_interleave(2)
+    plain.batch_repeat_interleave(2)
+    roomy.crop(-3)
+    plain.crop(-3)
+    assert torch.equal(roomy.keys, plain.keys) and torch.equal(roomy.values, plain.values)
+    assert roomy.get_seq_length() == 8
+    with pytest.raises(ValueError):
+        roomy.crop(2)
+
+
+def test_reserve_room_converts_full_attention_layers_only():
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from grouprl.rollout.hf_engine import _reserve_room, _RoomyLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=4), DynamicLayer()]
+    for layer in cache.layers[:2]:
+        layer.update(*_random_kv(2, 3, seed=0))
+    _reserve_room(cache, 10)
+    assert type(cache.layers[0]) is _RoomyLayer and cache.layers[0].get_seq_length() == 3
+    assert type(cache.layers[1]) is DynamicSlidingWindowLayer  # its own update logic stays
+    assert type(cache.layers[2]) is DynamicLayer  # empty: nothing to hold yet

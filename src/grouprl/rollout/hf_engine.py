@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from grouprl.rollout.small_matmul import small_batch_linear
 
 
 @dataclass
@@ -82,6 +85,61 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
         ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r) :] = 1
     return ids.to(device), mask.to(device)
+
+
+class _RoomyLayer(DynamicLayer):
+    """A full-attention cache layer with room reserved for the tokens still to come: a decode step
+    writes its keys and values in place instead of concatenating the whole cache anew (a copy of
+    every row's cache per layer and token). `keys` / `values` are views of the filled part."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self._store(keys, values, room)
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        b, h, length, d = keys.shape
+        self._k = keys.new_empty((b, h, length + room, d))
+        self._v = values.new_empty((b, values.shape[1], length + room, values.shape[-1]))
+        self._k[:, :, :length], self._v[:, :, :length] = keys, values
+        self._view(length)
+
+    def _view(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        new = key_states.shape[-2]
+        if self.length + new > self._k.shape[-2]:  # out of room: move to a larger buffer
+            self._store(self.keys, self.values, max(new, self._k.shape[-2]))
+        self._k[:, :, self.length : self.length + new] = key_states
+        self._v[:, :, self.length : self.length + new] = value_states
+        self._view(self.length + new)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0:
+            self._view(max(0, self.length + tokens_to_remove))
+        elif tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
+        self._view(self.length)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k.index_select(0, indices), self._v.index_select(0, indices)
+        self._view(self.length)
+
+
+def _reserve_room(cache: DynamicCache, room: int) -> None:
+    """Give the plain full-attention layers of `cache` room for `room` more tokens (others stay)."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            cache.layers[i] = _RoomyLayer(layer.keys, layer.values, room)
 
 
 class HFEngine:
@@ -256,48 +314,50 @@ class HFEngine:
         active = torch.arange(total, device=device)  # rows of the full batch still generating
         stop_window = max((len(s) for s in params.stop), default=0) + 8
         stop_ends = {s[-1] for s in params.stop if s}
+        _reserve_room(cache, params.max_new_tokens)
 
-        for step in range(params.max_new_tokens):
-            next_tokens = sample_next(logits, params, generator)  # [A]
-            done_rows: list[int] = []
-            for row, tok in enumerate(next_tokens.tolist()):
-                idx = int(active[row])
-                tokens[idx].append(tok)
-                if tok in self.eos_token_ids:
-                    finish[idx] = "eos"
-                    done_rows.append(row)
-                elif params.stop and self._may_end_stop(tok, stop_ends):
-                    tail = self.tokenizer.decode(tokens[idx][-stop_window:], skip_special_tokens=False)
-                    if any(s in tail for s in params.stop):
-                        finish[idx] = "stop"
+        with small_batch_linear(self.model):  # few rows a step: see small_matmul
+            for step in range(params.max_new_tokens):
+                next_tokens = sample_next(logits, params, generator)  # [A]
+                done_rows: list[int] = []
+                for row, tok in enumerate(next_tokens.tolist()):
+                    idx = int(active[row])
+                    tokens[idx].append(tok)
+                    if tok in self.eos_token_ids:
+                        finish[idx] = "eos"
                         done_rows.append(row)
-            last_step = step == params.max_new_tokens - 1
-            if on_done is not None and (done_rows or last_step):
-                ending = list(range(len(active))) if last_step else done_rows
-                on_done(ending, [int(active[r]) for r in ending], cache, attention_mask)
-            if last_step:
-                break
-            if done_rows:
-                done = set(done_rows)
-                keep = torch.tensor(
-                    [r for r in range(len(active)) if r not in done], dtype=torch.long, device=device
-                )
-                if keep.numel() == 0:
+                    elif params.stop and self._may_end_stop(tok, stop_ends):
+                        tail = self.tokenizer.decode(tokens[idx][-stop_window:], skip_special_tokens=False)
+                        if any(s in tail for s in params.stop):
+                            finish[idx] = "stop"
+                            done_rows.append(row)
+                last_step = step == params.max_new_tokens - 1
+                if on_done is not None and (done_rows or last_step):
+                    ending = list(range(len(active))) if last_step else done_rows
+                    on_done(ending, [int(active[r]) for r in ending], cache, attention_mask)
+                if last_step:
                     break
-                active, next_tokens = active[keep], next_tokens[keep]
-                attention_mask, next_pos = attention_mask[keep], next_pos[keep]
-                cache.batch_select_indices(keep)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
-            out = self.model(
-                input_ids=next_tokens.unsqueeze(-1),
-                attention_mask=attention_mask,
-                position_ids=next_pos.unsqueeze(-1),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            self.decode_tokens += len(active)
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+                if done_rows:
+                    done = set(done_rows)
+                    keep = torch.tensor(
+                        [r for r in range(len(active)) if r not in done], dtype=torch.long, device=device
+                    )
+                    if keep.numel() == 0:
+                        break
+                    active, next_tokens = active[keep], next_tokens[keep]
+                    attention_mask, next_pos = attention_mask[keep], next_pos[keep]
+                    cache.batch_select_indices(keep)
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
+                out = self.model(
+                    input_ids=next_tokens.unsqueeze(-1),
+                    attention_mask=attention_mask,
+                    position_ids=next_pos.unsqueeze(-1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                self.decode_tokens += len(active)
+                logits = out.logits[:, -1, :]
+                next_pos = next_pos + 1
         return tokens, finish
 
     def open_session(self, prompts: list[list[int]], n: int) -> KVSession:

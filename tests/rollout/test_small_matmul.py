@@ -1,0 +1,139 @@
+"""The decode-time linear layers: both product forms give F.linear's numbers, the measured choice
+is fixed after its trials, and nothing outside the `with` block (or with gradients on) changes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grouprl.rollout import small_matmul
+from grouprl.rollout.small_matmul import MAX_ROWS, TRIALS, small_batch_linear
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    monkeypatch.setattr(small_matmul, "_CHOICE", {})
+    monkeypatch.setattr(small_matmul, "_TRIALS", {})
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls of the transposed form."""
+    calls = []
+    original = small_matmul._transposed_product
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return original(*args)
+
+    monkeypatch.setattr(small_matmul, "_transposed_product", spy)
+    return calls
+
+
+def linear(bias=True, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(24, 40, bias=bias, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_call_equals_f_linear(rows, bias):
+    layer = linear(bias)
+    x = torch.randn(rows, 1, 24, dtype=torch.float64)
+    want = F.linear(x, layer.weight, layer.bias)
+    with torch.no_grad(), small_batch_linear(layer):
+        for _ in range(2 * TRIALS + 3):  # the trials of both forms, then the chosen one
+            got = layer(x)
+            assert got.shape == (rows, 1, 40)
+            assert got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("usual_cost, transposed_cost, transposed_wins", [(5, 1, True), (1, 5, False), (2, 2, False)])
+def test_trials_alternate_then_the_faster_form_is_fixed(monkeypatch, usual_cost, transposed_cost, transposed_wins):
+    """A fake clock that each form advances by its cost: the strictly faster form is kept."""
+    clock, calls = [0.0], []
+    original = small_matmul._transposed_product
+
+    def transposed(*args):
+        clock[0] += transposed_cost
+        calls.append("transposed")
+        return original(*args)
+
+    def usual(*args):
+        clock[0] += usual_cost
+        calls.append("usual")
+        return F.linear(*args)
+
+    monkeypatch.setattr(small_matmul.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(small_matmul, "_transposed_product", transposed)
+    monkeypatch.setattr(small_matmul, "F", type("F", (), {"linear": staticmethod(usual)}))
+    layer, x = linear(), torch.randn(8, 24, dtype=torch.float64)
+    with torch.no_grad(), small_batch_linear(layer):
+        for _ in range(2 * TRIALS):
+            layer(x)
+        assert calls == ["usual", "transposed"] * TRIALS
+        key = ((40, 24), 8, torch.float64, None)
+        assert small_matmul._CHOICE == {key: transposed_wins} and small_matmul._TRIALS == {}
+        for _ in range(3):
+            layer(x)
+    assert calls[2 * TRIALS :] == ["transposed" if transposed_wins else "usual"] * 3
+
+
+@pytest.mark.parametrize("transposed_wins", [True, False])
+def test_the_recorded_choice_is_used(counted, transposed_wins):
+    layer, x = linear(), torch.randn(5, 24, dtype=torch.float64)
+    small_matmul._CHOICE[((40, 24), 5, torch.float64, None)] = transposed_wins
+    with torch.no_grad(), small_batch_linear(layer):
+        for _ in range(4):
+            layer(x)
+    assert len(counted) == (4 if transposed_wins else 0)
+
+
+def test_large_inputs_and_gradient_mode_take_f_linear(counted):
+    layer = linear()
+    small_matmul._CHOICE[((40, 24), MAX_ROWS + 1, torch.float64, None)] = True
+    small_matmul._CHOICE[((40, 24), 4, torch.float64, None)] = True
+    with small_batch_linear(layer):
+        with torch.no_grad():
+            layer(torch.randn(MAX_ROWS + 1, 24, dtype=torch.float64))
+        out = layer(torch.randn(4, 24, dtype=torch.float64))  # grad on: training is never changed
+    assert counted == []
+    out.sum().backward()
+    assert layer.weight.grad is not None
+
+
+def test_patch_is_removed_after_the_block_even_on_error_and_subclasses_are_left_alone():
+    class Custom(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(linear(), torch.nn.ReLU(), Custom(40, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="inside"):
+        with small_batch_linear(model):
+            assert "forward" in model[0].__dict__
+            assert "forward" not in model[2].__dict__
+            with small_batch_linear(model):  # nested: the outer patch stays, nothing doubled
+                pass
+            assert "forward" in model[0].__dict__
+            raise RuntimeError("inside")
+    assert "forward" not in model[0].__dict__
+
+
+def test_lora_base_layers_are_patched_and_the_lora_output_is_unchanged():
+    peft = pytest.importorskip("peft")
+    from helpers import tiny_model_and_tokenizer
+
+    model, _ = tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    ids = torch.randint(0, model.config.vocab_size, (6, 1))
+    with torch.no_grad():
+        want = lora(input_ids=ids).logits
+        small_matmul._CHOICE.update(
+            {(tuple(m.weight.shape), 6, torch.float64, None): True for m in lora.modules() if type(m) is torch.nn.Linear}
+        )
+        with small_batch_linear(lora):
+            patched = [m for m in lora.modules() if "forward" in m.__dict__]
+            got = lora(input_ids=ids).logits
+    assert any("base_layer" in name for name, m in lora.named_modules() if m in patched)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
