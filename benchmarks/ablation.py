@@ -26,6 +26,7 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
   grad-ckpt        gradient checkpointing, shared prefix kept
   naive            all of the above off: full sequences, full logits (TRL-like)
   gen-shared / gen-repeat   generation with one prefill per group vs n copies
+  gen-plain-decode generation without the measured product form and the roomy KV cache
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ VARIANTS = {
     "naive": {"shared_prefix": False, "full_logits": True},
     "gen-shared": {"generate": True},
     "gen-repeat": {"generate": True, "share_prompt_prefill": False},
+    "gen-plain-decode": {"generate": True, "plain_decode": True},
 }
 GIB = 1024**3
 
@@ -153,6 +155,13 @@ def run_child(args) -> dict:
     out: dict = {"variant": args.child}
 
     if v.get("generate"):
+        if v.get("plain_decode"):
+            import contextlib
+
+            from grouprl.rollout import hf_engine
+
+            hf_engine.small_batch_linear = lambda model: contextlib.nullcontext()
+            hf_engine._reserve_room = lambda cache, room: None
         engine = HFEngine(model, tokenizer, share_prompt_prefill=v.get("share_prompt_prefill", True))
         params = SamplingParams(max_new_tokens=args.response_tokens, temperature=0.7)
         times = []
@@ -283,6 +292,11 @@ def summarise(args, records: dict[str, list[dict]]) -> None:
     if "gen-shared" in records and "gen-repeat" in records:
         print(
             f"\ngeneration, one prefill per group / n prefills: {median_time('gen-shared') / median_time('gen-repeat'):.2f}"
+        )
+    if "gen-shared" in records and "gen-plain-decode" in records:
+        print(
+            "generation, measured product form + roomy cache / plain decode: "
+            f"{median_time('gen-shared') / median_time('gen-plain-decode'):.2f}"
         )
     if "grouprl" in records and "no-shared-prefix" in records:
         print(

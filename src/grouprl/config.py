@@ -342,6 +342,9 @@ class ActorConfig:
     """Entropy bonus weight (verl: actor.entropy_coeff)."""
     shared_prefix: bool = True
     """Run each group's shared prompt once in forward/backward and reuse its KV cache."""
+    lean_mlp: bool = True
+    """Gated MLPs keep gate(x) and up(x) for backward and recompute the activation and product
+    (two [tokens, intermediate] tensors per layer less; same numbers)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision: bfloat16 = autocast over float32 weights; auto = bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs)."""
     logits_chunk_size: int = 256
