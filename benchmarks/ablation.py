@@ -16,7 +16,7 @@ same prompts with and without the one-prefill-per-group cache expansion.
 Variants (each turns one thing off, or on, relative to `grouprl`):
   grouprl          shared prefix with the responses of a prompt packed end to end (no padding),
                    LM head at response positions in chunks with a hand-written backward,
-                   micro-batches of one group (8 rows), float32, fused AdamW
+                   micro-batches of 16 rows (the recipe's), float32, fused AdamW, lean MLPs
   no-shared-prefix every row runs prompt + response (what TRL and verl do)
   no-packing       shared prefix, but one padded response per row on the prompt's repeated cache
   autograd-head    the LM head chunks under activation checkpointing with autograd's backward
@@ -24,6 +24,7 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
   bf16             bf16 autocast (native only on AVX512-BF16/AMX CPUs and CUDA)
   token-budget     micro-batches by a token budget (--budget) instead of a row count
   grad-ckpt        gradient checkpointing, shared prefix kept
+  no-lean-mlp      the gated MLPs keep all four intermediate tensors (autograd's own backward)
   naive            all of the above off: full sequences, full logits (TRL-like)
   gen-shared / gen-repeat   generation with one prefill per group vs n copies
   gen-plain-decode generation without the measured product form and the roomy KV cache
@@ -52,6 +53,7 @@ VARIANTS = {
     "bf16": {"dtype": "bfloat16"},
     "token-budget": {"token_budget": True},
     "grad-ckpt": {"grad_ckpt": True},
+    "no-lean-mlp": {"lean_mlp": False},
     "naive": {"shared_prefix": False, "full_logits": True},
     "gen-shared": {"generate": True},
     "gen-repeat": {"generate": True, "share_prompt_prefill": False},
@@ -67,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--n-agent", type=int, default=8)
     p.add_argument("--response-tokens", type=int, default=48)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=16, help="rows per micro-batch (the recipe's)")
     p.add_argument(
         "--budget", type=int, default=0, help="token budget (default: the average 8-row micro-batch)"
     )
@@ -192,6 +194,7 @@ def run_child(args) -> dict:
             micro_batch_size=rows_per_micro,
             micro_batch_tokens=budget,
             shared_prefix=v.get("shared_prefix", True),
+            lean_mlp=v.get("lean_mlp", True),
             optim=OptimConfig(lr=1e-7),
         )
         compute = resolve_compute_dtype(v.get("dtype", "float32"), torch.device("cpu"), torch.float32)
