@@ -175,6 +175,12 @@ class PolicyUpdater:
     def update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
     ) -> dict[str, float]:
+        with lean_mlp(model, enabled=self.cfg.lean_mlp):  # see trainer/lean_mlp.py
+            return self._update(model, optimizer, scheduler, tensors, num_prompts, params)
+
+    def _update(
+        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
+    ) -> dict[str, float]:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
         if cfg.mini_batch_size and cfg.mini_batch_size < num_prompts:
@@ -185,45 +191,43 @@ class PolicyUpdater:
         counts: dict[str, int] = defaultdict(int)
         model.train()
         lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
-        with lean_mlp(model, enabled=cfg.lean_mlp):  # see trainer/lean_mlp.py
-            for _epoch in range(cfg.ppo_epochs):
-                # groups stay whole inside a mini-batch: rows are in group order and the size is a
-                # multiple of n_agent
-                for mini in split(list(range(n_rows)), rows_per_mini):
-                    mini_mask = tensors.loss_mask[mini]
-                    optimizer.zero_grad(set_to_none=True)
-                    micro_metrics: dict[str, float] = defaultdict(float)
-                    for unit in self.plan(tensors, mini):
-                        # a group split over several micro-batches runs its prompt once: the
-                        # micro-batches backpropagate into the prefix's leaves, then the prefix once
-                        prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
-                        leaves = prefix.detached() if prefix is not None else None
-                        for micro in unit.micro_batches:
-                            weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
-                            token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
-                            loss, m = self._micro_loss(model, tensors, micro, leaves, unit)
-                            if weight > 0:
-                                (loss * weight).backward()
-                            for k, v in m.items():
-                                micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
-                        if prefix is not None:
-                            prefix.backward_from(leaves)
-                            del prefix, leaves
-                    grad_norm = self._clip(params)
-                    finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
-                    if finite or not self.skip_nonfinite:
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)  # free the gradients before the next rollout
-                    else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
-                        log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
-                        optimizer.zero_grad(set_to_none=True)
-                        sums["actor/skipped_steps"] += 1
-                    for k, v in micro_metrics.items():
-                        sums[k] += v
-                        counts[k] += 1
-                    sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
-                    counts["actor/grad_norm"] += 1
+        for _epoch in range(cfg.ppo_epochs):
+            # groups stay whole inside a mini-batch: rows are in group order and the size is a
+            # multiple of n_agent
+            for mini in split(list(range(n_rows)), rows_per_mini):
+                mini_mask = tensors.loss_mask[mini]
+                optimizer.zero_grad(set_to_none=True)
+                micro_metrics: dict[str, float] = defaultdict(float)
+                for unit in self.plan(tensors, mini):
+                    # a group split over several micro-batches runs its prompt once: the
+                    # micro-batches backpropagate into the prefix's leaves, then the prefix once
+                    prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
+                    leaves = prefix.detached() if prefix is not None else None
+                    for micro in unit.micro_batches:
+                        weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
+                        token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
+                        loss, m = self._micro_loss(model, tensors, micro, leaves, unit)
+                        if weight > 0:
+                            (loss * weight).backward()
+                        for k, v in m.items():
+                            micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
+                    if prefix is not None:
+                        prefix.backward_from(leaves)
+                        del prefix, leaves
+                grad_norm = self._clip(params)
+                finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                if finite or not self.skip_nonfinite:
+                    optimizer.step()
+                    scheduler.step()
+                else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
+                    log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
+                    sums["actor/skipped_steps"] += 1
+                optimizer.zero_grad(set_to_none=True)  # freed now, not held through the next rollout
+                for k, v in micro_metrics.items():
+                    sums[k] += v
+                    counts[k] += 1
+                sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+                counts["actor/grad_norm"] += 1
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
