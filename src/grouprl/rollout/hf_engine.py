@@ -288,7 +288,14 @@ class HFEngine:
             next_pos = next_pos.repeat_interleave(expand, 0)
         return cache, logits, attention_mask, next_pos
 
-    def _decode(
+    def _decode(self, cache, logits, attention_mask, next_pos, params, *args, **kwargs):
+        """`_decode_steps` (same arguments) on a cache with room for `max_new_tokens` more tokens,
+        with the few-row products in their faster form (see small_matmul)."""
+        _reserve_room(cache, params.max_new_tokens)
+        with small_batch_linear(self.model):
+            return self._decode_steps(cache, logits, attention_mask, next_pos, params, *args, **kwargs)
+
+    def _decode_steps(
         self,
         cache,
         logits,
@@ -314,50 +321,48 @@ class HFEngine:
         active = torch.arange(total, device=device)  # rows of the full batch still generating
         stop_window = max((len(s) for s in params.stop), default=0) + 8
         stop_ends = {s[-1] for s in params.stop if s}
-        _reserve_room(cache, params.max_new_tokens)
 
-        with small_batch_linear(self.model):  # few rows a step: see small_matmul
-            for step in range(params.max_new_tokens):
-                next_tokens = sample_next(logits, params, generator)  # [A]
-                done_rows: list[int] = []
-                for row, tok in enumerate(next_tokens.tolist()):
-                    idx = int(active[row])
-                    tokens[idx].append(tok)
-                    if tok in self.eos_token_ids:
-                        finish[idx] = "eos"
+        for step in range(params.max_new_tokens):
+            next_tokens = sample_next(logits, params, generator)  # [A]
+            done_rows: list[int] = []
+            for row, tok in enumerate(next_tokens.tolist()):
+                idx = int(active[row])
+                tokens[idx].append(tok)
+                if tok in self.eos_token_ids:
+                    finish[idx] = "eos"
+                    done_rows.append(row)
+                elif params.stop and self._may_end_stop(tok, stop_ends):
+                    tail = self.tokenizer.decode(tokens[idx][-stop_window:], skip_special_tokens=False)
+                    if any(s in tail for s in params.stop):
+                        finish[idx] = "stop"
                         done_rows.append(row)
-                    elif params.stop and self._may_end_stop(tok, stop_ends):
-                        tail = self.tokenizer.decode(tokens[idx][-stop_window:], skip_special_tokens=False)
-                        if any(s in tail for s in params.stop):
-                            finish[idx] = "stop"
-                            done_rows.append(row)
-                last_step = step == params.max_new_tokens - 1
-                if on_done is not None and (done_rows or last_step):
-                    ending = list(range(len(active))) if last_step else done_rows
-                    on_done(ending, [int(active[r]) for r in ending], cache, attention_mask)
-                if last_step:
-                    break
-                if done_rows:
-                    done = set(done_rows)
-                    keep = torch.tensor(
-                        [r for r in range(len(active)) if r not in done], dtype=torch.long, device=device
-                    )
-                    if keep.numel() == 0:
-                        break
-                    active, next_tokens = active[keep], next_tokens[keep]
-                    attention_mask, next_pos = attention_mask[keep], next_pos[keep]
-                    cache.batch_select_indices(keep)
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
-                out = self.model(
-                    input_ids=next_tokens.unsqueeze(-1),
-                    attention_mask=attention_mask,
-                    position_ids=next_pos.unsqueeze(-1),
-                    past_key_values=cache,
-                    use_cache=True,
+            last_step = step == params.max_new_tokens - 1
+            if on_done is not None and (done_rows or last_step):
+                ending = list(range(len(active))) if last_step else done_rows
+                on_done(ending, [int(active[r]) for r in ending], cache, attention_mask)
+            if last_step:
+                break
+            if done_rows:
+                done = set(done_rows)
+                keep = torch.tensor(
+                    [r for r in range(len(active)) if r not in done], dtype=torch.long, device=device
                 )
-                self.decode_tokens += len(active)
-                logits = out.logits[:, -1, :]
-                next_pos = next_pos + 1
+                if keep.numel() == 0:
+                    break
+                active, next_tokens = active[keep], next_tokens[keep]
+                attention_mask, next_pos = attention_mask[keep], next_pos[keep]
+                cache.batch_select_indices(keep)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=-1)
+            out = self.model(
+                input_ids=next_tokens.unsqueeze(-1),
+                attention_mask=attention_mask,
+                position_ids=next_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            self.decode_tokens += len(active)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
         return tokens, finish
 
     def open_session(self, prompts: list[list[int]], n: int) -> KVSession:

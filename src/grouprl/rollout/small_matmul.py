@@ -16,11 +16,12 @@ other devices it does nothing.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 import torch.nn.functional as F
+
+from grouprl.module_patch import forward_replaced
 
 MAX_ROWS = 64  # above this the two forms ran alike everywhere measured; not worth timing
 TRIALS = 2  # timed calls of each form before the choice is fixed (the faster of each form's best)
@@ -62,21 +63,9 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-@contextlib.contextmanager
 def small_batch_linear(model: torch.nn.Module):
-    """Within the block, the model's plain CPU `nn.Linear` layers take their product in the faster
-    of the two forms for inputs of at most MAX_ROWS rows (gradient mode off only)."""
-    patched = []
-    for module in model.modules():
-        if (
-            type(module) is torch.nn.Linear
-            and "forward" not in module.__dict__
-            and module.weight.device.type == "cpu"
-        ):
-            module.forward = _forward.__get__(module)
-            patched.append(module)
-    try:
-        yield
-    finally:
-        for module in patched:
-            del module.forward
+    """Within the `with` block, the model's plain CPU `nn.Linear` layers take their product in the
+    faster of the two forms for inputs of at most MAX_ROWS rows (gradient mode off only)."""
+    return forward_replaced(
+        model, _forward, lambda m: type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+    )

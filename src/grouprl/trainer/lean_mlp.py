@@ -15,11 +15,12 @@ and the function then covers the activation and product only (one tensor saved i
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 import torch.nn.functional as F
+
+from grouprl.module_patch import forward_replaced
 
 _GATED = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
 _IS_GATED: dict[type, bool] = {}
@@ -96,7 +97,7 @@ class _ActMul(torch.autograd.Function):
 
 def _lean_forward(self, x):
     if not torch.is_grad_enabled():
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return type(self).forward(self, x)
     gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
     if type(down) is torch.nn.Linear and not (down._forward_hooks or down._forward_pre_hooks):
@@ -104,17 +105,7 @@ def _lean_forward(self, x):
     return down(_ActMul.apply(gate, up, self.act_fn))
 
 
-@contextlib.contextmanager
 def lean_mlp(model: torch.nn.Module, enabled: bool = True):
-    """Within the block, the model's gated MLPs keep gate(x) and up(x) only for backward."""
-    patched = []
-    if enabled:
-        for module in model.modules():
-            if "forward" not in module.__dict__ and _is_gated_mlp(module):
-                module.forward = _lean_forward.__get__(module)
-                patched.append(module)
-    try:
-        yield len(patched)
-    finally:
-        for module in patched:
-            del module.forward
+    """Within the `with` block, the model's gated MLPs keep gate(x) and up(x) only for backward.
+    The block yields how many MLPs it took."""
+    return forward_replaced(model, _lean_forward, _is_gated_mlp if enabled else lambda m: False)
