@@ -345,6 +345,12 @@ class ActorConfig:
     lean_mlp: bool = True
     """Gated MLPs keep gate(x) and up(x) for backward and recompute the activation and product
     (two [tokens, intermediate] tensors per layer less; same numbers)."""
+    lean_norm: bool = True
+    """RMSNorms keep their input and reciprocal RMS for backward and recompute the normalised
+    input (one [tokens, hidden] tensor per norm less; same numbers)."""
+    lean_attention: bool = True
+    """On CPU, grouped-query attention runs on the unrepeated keys/values with one float mask per
+    forward (torch's kernel takes both); keys, values and mask are kept once (same numbers)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision: bfloat16 = autocast over float32 weights; auto = bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs)."""
     logits_chunk_size: int = 256

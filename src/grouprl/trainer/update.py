@@ -19,7 +19,9 @@ import torch
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.lean_attention import lean_attention
 from grouprl.trainer.lean_mlp import lean_mlp
+from grouprl.trainer.lean_norm import lean_norm
 from grouprl.trainer.logprobs import Prefix, ResponseBatch, prefix_forward, response_log_probs
 from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
 
@@ -156,6 +158,10 @@ class PolicyUpdater:
     def score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         """Log-probs of every row without gradient (old or reference policy), [N, R], in the
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
+        with lean_attention(model, enabled=self.cfg.lean_attention):
+            return self._score_all(model, tensors)
+
+    def _score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         out = None
         for unit in self.plan(tensors, list(range(len(tensors.prompt_ids)))):
             prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
@@ -175,8 +181,18 @@ class PolicyUpdater:
     def update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
     ) -> dict[str, float]:
-        with lean_mlp(model, enabled=self.cfg.lean_mlp):  # see trainer/lean_mlp.py
+        with self.lean_layers(model):
             return self._update(model, optimizer, scheduler, tensors, num_prompts, params)
+
+    @contextlib.contextmanager
+    def lean_layers(self, model):
+        """Layers that keep fewer activations for backward, same numbers (trainer/lean_*.py)."""
+        with (
+            lean_mlp(model, enabled=self.cfg.lean_mlp),
+            lean_norm(model, enabled=self.cfg.lean_norm),
+            lean_attention(model, enabled=self.cfg.lean_attention),
+        ):
+            yield
 
     def _update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params

@@ -1,0 +1,95 @@
+"""Grouped-query attention without the key/value copies, on CPU.
+
+With a mask, transformers' `sdpa` attention repeats each key/value head for the query heads that
+share it before calling `scaled_dot_product_attention` (its fused kernels on CUDA take no mask
+with grouped heads), and torch turns a boolean mask into a float one in every layer. Autograd
+then keeps, per layer, keys and values num_heads / num_kv_heads times over and a float copy of
+the mask. torch's CPU kernel takes a mask and grouped heads together (`enable_gqa`), so within
+`lean_attention(model)` a CPU model on `sdpa` attends with the unrepeated keys and values and a
+float mask made once per forward (shared by all layers). Same kernel, same numbers.
+
+The switch goes through transformers' attention registry: the configs of the model's modules
+name `grouprl_sdpa` (registered here, with the `sdpa` mask builder) inside the block and `sdpa`
+again after it. Anything the function does not cover (another device, no grouped heads, a
+position bias, a paged cache, soft-capping) goes to transformers' own `sdpa` function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "grouprl_sdpa"
+
+
+class _FloatMask:
+    """The float form of the boolean mask last seen: the layers of one forward pass the same
+    mask object, so it is converted once and autograd keeps one copy."""
+
+    source: torch.Tensor | None = None
+    converted: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if mask.dtype != torch.bool:
+            return mask
+        if cls.source is not mask or cls.converted is None or cls.converted.dtype != dtype:
+            converted = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            converted.masked_fill_(~mask, float("-inf"))
+            cls.source, cls.converted = mask, converted
+        return cls.converted
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.source = cls.converted = None
+
+
+def grouped_sdpa_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """transformers' attention-function signature; [B, H, T, D] in, ([B, T, H, D], None) out."""
+    plain = not any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap"))
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    if not (plain and grouped and query.device.type == "cpu" and not kwargs.get("output_attentions")):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    mask = None if attention_mask is None else _FloatMask.of(attention_mask, query.dtype)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, grouped_sdpa_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def lean_attention(model: torch.nn.Module, enabled: bool = True):
+    """Within the block, a CPU model on `sdpa` attention attends through `grouped_sdpa_forward`.
+    Yields how many configs it switched (0: nothing to do)."""
+    configs = []
+    on_cpu = next(model.parameters()).device.type == "cpu" if enabled else False
+    if on_cpu:
+        seen = set()
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            if id(config) not in seen and getattr(config, "_attn_implementation", None) == "sdpa":
+                seen.add(id(config))
+                configs.append(config)
+    for config in configs:
+        config._attn_implementation_internal = NAME
+    try:
+        yield len(configs)
+    finally:
+        for config in configs:
+            config._attn_implementation_internal = "sdpa"
+        _FloatMask.clear()
