@@ -351,6 +351,9 @@ class ActorConfig:
     lean_attention: bool = True
     """On CPU, grouped-query attention runs on the unrepeated keys/values with one float mask per
     forward (torch's kernel takes both); keys, values and mask are kept once (same numbers)."""
+    update_mmap_threshold_kb: int = 1024
+    """During the update, malloc blocks of this size and more are mmapped and given back to the OS
+    when freed (Linux/glibc), so freed activations do not stay in the heap; 0 = malloc's default."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute precision: bfloat16 = autocast over float32 weights; auto = bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs)."""
     logits_chunk_size: int = 256

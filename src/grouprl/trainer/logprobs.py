@@ -106,12 +106,15 @@ class _LinearHeadStats(torch.autograd.Function):
             h = hidden[start:end]
             with torch.autocast(device_type, dtype=dtype, enabled=autocast):
                 z = _scaled_logits(h, weight, bias, ctx.temperature)
-            log_p = z - log_z[start:end, None]
-            p = log_p.exp()
+            # in place: one [chunk, V] buffer (two with the entropy's gradient) at a time
+            log_p = z.sub_(log_z[start:end, None])
             g_lp = grad_lp[start:end, None]
-            g = p * -g_lp
             if ctx.with_entropy and grad_ent is not None:
-                g -= grad_ent[start:end, None] * p * (log_p + ent[start:end, None])
+                # g = -p * (g_lp + g_ent * (log p + H))
+                g = log_p.exp()
+                g.mul_(log_p.add_(ent[start:end, None]).mul_(grad_ent[start:end, None]).add_(g_lp)).neg_()
+            else:
+                g = log_p.exp_().mul_(-g_lp)
             g.scatter_add_(-1, targets[start:end, None], g_lp)
             if ctx.temperature != 1.0:
                 g /= ctx.temperature

@@ -19,6 +19,7 @@ import torch
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.allocator import mapped_large_blocks
 from grouprl.trainer.lean_attention import lean_attention
 from grouprl.trainer.lean_mlp import lean_mlp
 from grouprl.trainer.lean_norm import lean_norm
@@ -186,11 +187,13 @@ class PolicyUpdater:
 
     @contextlib.contextmanager
     def lean_layers(self, model):
-        """Layers that keep fewer activations for backward, same numbers (trainer/lean_*.py)."""
+        """Layers that keep fewer activations for backward, same numbers (trainer/lean_*.py), and
+        freed activation memory given back to the OS (trainer/allocator.py)."""
         with (
             lean_mlp(model, enabled=self.cfg.lean_mlp),
             lean_norm(model, enabled=self.cfg.lean_norm),
             lean_attention(model, enabled=self.cfg.lean_attention),
+            mapped_large_blocks(self.cfg.update_mmap_threshold_kb << 10),
         ):
             yield
 
