@@ -16,7 +16,9 @@ same prompts with and without the one-prefill-per-group cache expansion.
 Variants (each turns one thing off, or on, relative to `grouprl`):
   grouprl          shared prefix with the responses of a prompt packed end to end (no padding),
                    LM head at response positions in chunks with a hand-written backward,
-                   micro-batches of 16 rows (the recipe's), float32, fused AdamW, lean MLPs
+                   micro-batches of 16 rows (the recipe's), float32, fused AdamW, lean MLPs,
+                   lean RMSNorms, grouped-query attention on unrepeated keys/values, and
+                   1 MiB+ malloc blocks mmapped during the update
   no-shared-prefix every row runs prompt + response (what TRL and verl do)
   no-packing       shared prefix, but one padded response per row on the prompt's repeated cache
   autograd-head    the LM head chunks under activation checkpointing with autograd's backward
@@ -25,7 +27,10 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
   token-budget     micro-batches by a token budget (--budget) instead of a row count
   grad-ckpt        gradient checkpointing, shared prefix kept
   no-lean-mlp      the gated MLPs keep all four intermediate tensors (autograd's own backward)
-  naive            all of the above off: full sequences, full logits (TRL-like)
+  no-lean-norm     the RMSNorms keep their normalised input too (autograd's own backward)
+  no-lean-attention  keys/values repeated per query head, a float mask made in every layer
+  heap-kept        malloc's default during the update (freed activations stay in its heap)
+  naive            all of the above off: full sequences, full logits, no lean layers (TRL-like)
   gen-shared / gen-repeat   generation with one prefill per group vs n copies
   gen-plain-decode generation without the measured product form and the roomy KV cache
 """
@@ -54,7 +59,17 @@ VARIANTS = {
     "token-budget": {"token_budget": True},
     "grad-ckpt": {"grad_ckpt": True},
     "no-lean-mlp": {"lean_mlp": False},
-    "naive": {"shared_prefix": False, "full_logits": True},
+    "no-lean-norm": {"lean_norm": False},
+    "no-lean-attention": {"lean_attention": False},
+    "heap-kept": {"mmap_threshold_kb": 0},
+    "naive": {
+        "shared_prefix": False,
+        "full_logits": True,
+        "lean_mlp": False,
+        "lean_norm": False,
+        "lean_attention": False,
+        "mmap_threshold_kb": 0,
+    },
     "gen-shared": {"generate": True},
     "gen-repeat": {"generate": True, "share_prompt_prefill": False},
     "gen-plain-decode": {"generate": True, "plain_decode": True},
@@ -195,6 +210,9 @@ def run_child(args) -> dict:
             micro_batch_tokens=budget,
             shared_prefix=v.get("shared_prefix", True),
             lean_mlp=v.get("lean_mlp", True),
+            lean_norm=v.get("lean_norm", True),
+            lean_attention=v.get("lean_attention", True),
+            update_mmap_threshold_kb=v.get("mmap_threshold_kb", 1024),
             optim=OptimConfig(lr=1e-7),
         )
         compute = resolve_compute_dtype(v.get("dtype", "float32"), torch.device("cpu"), torch.float32)

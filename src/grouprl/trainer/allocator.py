@@ -1,13 +1,14 @@
 """Give freed activation memory back to the OS during the update (Linux, glibc).
 
 A CPU tensor's memory comes from malloc. glibc serves blocks below an adaptive threshold (it
-rises to 32 MiB once such a block is freed) from its heap, and a heap keeps freed memory for
-reuse; the blocks that the next micro-batch asks for do not fit the holes the last one left, so
-the heap grows past the live tensors. In a default run the peak RSS, reached in backward, was
-0.5 GiB above what malloc had handed out. Within `mapped_large_blocks(threshold)` blocks of
-`threshold` bytes and more are mmapped instead and unmapped when freed: RSS then follows the live
-tensors. Leaving the block restores the threshold to glibc's ceiling (32 MiB), where the adaptive
-threshold settles after the first large free anyway.
+rises to 32 MiB once such a block is freed) from its heap, growing the heap when no free chunk
+fits, and a heap keeps freed memory for reuse. The blocks the next micro-batch asks for do not
+fit the holes the last one left, so the heap grows past the live tensors: in a default run the
+peak RSS, reached in backward, was 0.5 GiB above what malloc had handed out. Within
+`mapped_large_blocks(threshold)` a block of `threshold` bytes or more that the heap's free chunks
+cannot serve is mmapped instead of growing the heap, and unmapped when freed, so the heap stops
+growing in the update. Leaving the block restores the threshold to glibc's ceiling (32 MiB),
+where the adaptive threshold settles after the first large free anyway.
 
 Elsewhere (another libc, macOS, Windows) the block does nothing.
 """
