@@ -1,6 +1,7 @@
-"""mapped_large_blocks: inside the block, large tensors that the heap has no room for are mmapped
-(and unmapped when freed); outside it they grow the heap; the setting is undone on leaving, also
-on an error. Run in a fresh interpreter, whose heap has no large free chunks yet."""
+"""release_free_memory gives the pages of freed heap chunks back; mapped_large_blocks: inside the
+block, large tensors that the heap has no room for are mmapped (and unmapped when freed), outside
+it they grow the heap, and the setting is undone on leaving, also on an error. Both run in a
+fresh interpreter, whose heap has no large free chunks yet."""
 
 import subprocess
 import sys
@@ -58,10 +59,40 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(allocator._mallopt() is None, reason="glibc only")
-def test_large_blocks_are_mapped_and_given_back_inside_the_block_only():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+TRIM_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, os, torch
+    from grouprl.trainer import allocator
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20)  # blocks under 32 MiB from the heap
+    rss = lambda: int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    blocks = [torch.ones(128 << 10) for _ in range(200)]  # 200 x 512 KiB, written
+    pin = torch.ones(16)  # above them: the freed blocks are not at the heap's top
+    before = rss()
+    del blocks
+    kept = rss()
+    assert kept > before - (20 << 20), (before, kept)  # freed, but still resident
+    assert allocator.release_free_memory()
+    after = rss()
+    assert after < kept - (80 << 20), (kept, after)  # ~100 MiB handed back
+    print("ok")
+    """
+)
+
+
+def _run(script: str) -> None:
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc only")
+def test_free_heap_pages_are_given_back():
+    _run(TRIM_SCRIPT)
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc only")
+def test_large_blocks_are_mapped_and_given_back_inside_the_block_only():
+    _run(SCRIPT)
 
 
 def test_zero_leaves_malloc_alone_and_the_threshold_is_restored(monkeypatch):
@@ -75,7 +106,8 @@ def test_zero_leaves_malloc_alone_and_the_threshold_is_restored(monkeypatch):
     assert calls == [(allocator.M_MMAP_THRESHOLD, 3 * MiB), (allocator.M_MMAP_THRESHOLD, allocator.GLIBC_CEILING)]
 
 
-def test_without_glibc_the_block_does_nothing(monkeypatch):
-    monkeypatch.setattr(allocator, "_mallopt", lambda: None)
+def test_without_glibc_both_do_nothing(monkeypatch):
+    monkeypatch.setattr(allocator, "_glibc", lambda: None)
     with allocator.mapped_large_blocks(MiB) as ok:
         assert not ok
+    assert not allocator.release_free_memory()

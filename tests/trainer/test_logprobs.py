@@ -11,6 +11,8 @@ shared-prefix gradients to ~1e-7 relative (a prompt's gradient is summed over it
 the norm's float32 backward instead of after).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -314,3 +316,28 @@ def test_linear_head_backward_is_the_hand_written_one(model, batch, monkeypatch)
     finally:
         head.weight.requires_grad_(True)
     assert calls[1] == (True, False) and head.weight.grad is None
+
+
+def test_head_gradient_added_into_the_parameter_equals_autograds(model, batch):
+    from grouprl.trainer.logprobs import head_grad_into_param
+
+    weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+    def grads(into_param: bool, hook: bool = False):
+        model.zero_grad(set_to_none=True)
+        head = model.get_output_embeddings().weight
+        handle = head.register_hook(lambda g: g) if hook else None
+        with head_grad_into_param() if into_param else contextlib.nullcontext():
+            for seed in (0, 1):  # two accumulating backward calls, as micro-batches do
+                lp, _ = response_log_probs(model, batch, shared_prefix=True, with_entropy=True)
+                (lp * weights * (seed + 1)).sum().backward()
+        if handle is not None:
+            handle.remove()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = grads(False)
+    assert model.config.tie_word_embeddings  # the head's gradient meets the embedding's
+    for got in (grads(True), grads(True, hook=True)):  # a hooked weight goes through autograd
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+    model.zero_grad(set_to_none=True)

@@ -463,3 +463,20 @@ def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32():
     assert 0 < difference < 0.05  # bf16 really ran, and within its ~3 significant digits
     cosine = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in g16]), torch.cat([g.flatten() for g in g32]), dim=0)
     assert cosine > 0.99
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_free_heap_pages_are_released_before_each_backward_when_asked(model, tensors, monkeypatch, trim):
+    import grouprl.trainer.update as update_module
+
+    events = []
+    monkeypatch.setattr(update_module, "release_free_memory", lambda: events.append("trim") or True)
+    real_backward = torch.Tensor.backward
+    monkeypatch.setattr(
+        torch.Tensor, "backward", lambda self, *a, **k: events.append("backward") or real_backward(self, *a, **k)
+    )
+    cfg = actor_config(micro_batch_size=3, update_malloc_trim=trim)
+    steps, _ = accumulated_grads(model, tensors, cfg)
+    # two groups of four rows in micro-batches of at most three: 3 + 1 rows per group
+    assert events == (["trim", "backward"] * 4 if trim else ["backward"] * 4)
+    assert max_relative_difference(steps[0], hand_built_grads(model, tensors, cfg)) < 1e-8

@@ -2,15 +2,19 @@
 
 A CPU tensor's memory comes from malloc. glibc serves blocks below an adaptive threshold (it
 rises to 32 MiB once such a block is freed) from its heap, growing the heap when no free chunk
-fits, and a heap keeps freed memory for reuse. The blocks the next micro-batch asks for do not
-fit the holes the last one left, so the heap grows past the live tensors: in a default run the
-peak RSS, reached in backward, was 0.5 GiB above what malloc had handed out. Within
-`mapped_large_blocks(threshold)` a block of `threshold` bytes or more that the heap's free chunks
-cannot serve is mmapped instead of growing the heap, and unmapped when freed, so the heap stops
-growing in the update. Leaving the block restores the threshold to glibc's ceiling (32 MiB),
-where the adaptive threshold settles after the first large free anyway.
+fits, and a heap keeps freed memory resident for reuse. The blocks the next micro-batch asks for
+do not fit the holes the last one left, so the heap grows past the live tensors: in a default
+run the peak RSS, reached in backward, was about 0.5 GiB above what malloc had handed out.
 
-Elsewhere (another libc, macOS, Windows) the block does nothing.
+Two remedies, both doing nothing where the C library is not glibc:
+- `release_free_memory()`, before each backward (`actor.update_malloc_trim`, on by default):
+  `malloc_trim(0)` hands the pages of the heap's free chunks back. The heap keeps its layout,
+  so a reused hole is faulted in again. About 0.05 s a call here.
+- `mapped_large_blocks(threshold)` around the update (`actor.update_mmap_threshold_kb`, off by
+  default): a block of `threshold` bytes or more that the heap's free chunks cannot serve is
+  mmapped instead of growing the heap, and unmapped when freed. The lowest peak, but each such
+  block is faulted in fresh. Leaving the block sets the threshold to glibc's ceiling (32 MiB),
+  where the adaptive threshold settles after the first large free anyway.
 """
 
 from __future__ import annotations
@@ -19,23 +23,35 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
-import logging
-
-log = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 GLIBC_CEILING = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
 @functools.cache
-def _mallopt():
-    """glibc's mallopt, or None where the C library is not glibc."""
+def _glibc():
+    """The C library when it is glibc, else None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # glibc only  # noqa: B018
-        return libc.mallopt
+        return libc
     except (OSError, AttributeError):
         return None
+
+
+def _mallopt():
+    libc = _glibc()
+    return libc.mallopt if libc is not None else None
+
+
+def release_free_memory() -> bool:
+    """Give the pages of malloc's free chunks back to the OS (glibc's `malloc_trim(0)`); False
+    where that is not available."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 @contextlib.contextmanager

@@ -62,6 +62,40 @@ def _plain_linear(head) -> bool:
     return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
 
+class _HeadGradInPlace:
+    """Set by `head_grad_into_param()`: the head's weight gradient is added straight into the
+    parameter's `.grad` instead of being returned to autograd."""
+
+    active = False
+
+
+@contextlib.contextmanager
+def head_grad_into_param():
+    """Within the block, `_LinearHeadStats` adds its weight gradient into `weight.grad` itself
+    (creating it when None) and returns none to autograd, where the weight is a leaf without
+    hooks in float32 or wider. Autograd would hold that [vocab, hidden] gradient until every
+    other use of the weight had been reached, which for tied embeddings is the embedding lookup
+    at the very end of backward: one more [vocab, hidden] buffer through the whole backward.
+    Only for `.backward()`-style accumulation (the update's), not for `torch.autograd.grad`."""
+    before = _HeadGradInPlace.active
+    _HeadGradInPlace.active = True
+    try:
+        yield
+    finally:
+        _HeadGradInPlace.active = before
+
+
+def _into_param(weight: torch.Tensor) -> bool:
+    return (
+        _HeadGradInPlace.active
+        and weight.is_leaf
+        and weight.requires_grad
+        and weight.dtype == torch.promote_types(weight.dtype, torch.float32)
+        and not getattr(weight, "_backward_hooks", None)
+        and not getattr(weight, "_post_accumulate_grad_hooks", None)
+    )
+
+
 class _LinearHeadStats(torch.autograd.Function):
     """Log-probs and entropies through a plain linear LM head, chunk by chunk, with the backward
     written out: for z = logits / T, d log p_t / dz = onehot(t) - p and dH/dz = -p (log p + H).
@@ -86,6 +120,7 @@ class _LinearHeadStats(torch.autograd.Function):
         lp, log_z = torch.cat(lps), torch.cat(log_zs)
         ent = torch.cat(ents) if with_entropy else torch.zeros_like(lp)
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, ent)
+        ctx.param = weight if _into_param(weight) else None  # the leaf itself, to reach its .grad
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
         return lp, ent
@@ -98,7 +133,13 @@ class _LinearHeadStats(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights accumulate in fp32
-        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_w = None
+        if need_w and ctx.param is not None:  # see head_grad_into_param
+            if ctx.param.grad is None:
+                ctx.param.grad = torch.zeros_like(ctx.param)
+            grad_w = ctx.param.grad
+        elif need_w:
+            grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
         grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
         w = weight.to(mm_dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
@@ -129,7 +170,7 @@ class _LinearHeadStats(torch.autograd.Function):
                 grad_b += g.sum(0).to(grad_b.dtype)
         return (
             grad_h,
-            grad_w.to(weight.dtype) if need_w else None,
+            grad_w.to(weight.dtype) if need_w and ctx.param is None else None,
             grad_b.to(bias.dtype) if need_b else None,
             None,
             None,

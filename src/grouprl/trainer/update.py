@@ -19,11 +19,17 @@ import torch
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
-from grouprl.trainer.allocator import mapped_large_blocks
+from grouprl.trainer.allocator import mapped_large_blocks, release_free_memory
 from grouprl.trainer.lean_attention import lean_attention
 from grouprl.trainer.lean_mlp import lean_mlp
 from grouprl.trainer.lean_norm import lean_norm
-from grouprl.trainer.logprobs import Prefix, ResponseBatch, prefix_forward, response_log_probs
+from grouprl.trainer.logprobs import (
+    Prefix,
+    ResponseBatch,
+    head_grad_into_param,
+    prefix_forward,
+    response_log_probs,
+)
 from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
 
 log = logging.getLogger(__name__)
@@ -194,6 +200,7 @@ class PolicyUpdater:
             lean_norm(model, enabled=self.cfg.lean_norm),
             lean_attention(model, enabled=self.cfg.lean_attention),
             mapped_large_blocks(self.cfg.update_mmap_threshold_kb << 10),
+            head_grad_into_param(),
         ):
             yield
 
@@ -227,6 +234,8 @@ class PolicyUpdater:
                         token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
                         loss, m = self._micro_loss(model, tensors, micro, leaves, unit)
                         if weight > 0:
+                            if cfg.update_malloc_trim:  # freed activations' pages, see allocator.py
+                                release_free_memory()
                             (loss * weight).backward()
                         for k, v in m.items():
                             micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
