@@ -17,8 +17,8 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
   grouprl          shared prefix with the responses of a prompt packed end to end (no padding),
                    LM head at response positions in chunks with a hand-written backward,
                    micro-batches of 16 rows (the recipe's), float32, fused AdamW, lean MLPs,
-                   lean RMSNorms, grouped-query attention on unrepeated keys/values, and
-                   1 MiB+ malloc blocks mmapped during the update
+                   lean RMSNorms, grouped-query attention on unrepeated keys/values,
+                   malloc_trim before each backward, tied head gradient added into .grad
   no-shared-prefix every row runs prompt + response (what TRL and verl do)
   no-packing       shared prefix, but one padded response per row on the prompt's repeated cache
   autograd-head    the LM head chunks under activation checkpointing with autograd's backward
@@ -29,7 +29,8 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
   no-lean-mlp      the gated MLPs keep all four intermediate tensors (autograd's own backward)
   no-lean-norm     the RMSNorms keep their normalised input too (autograd's own backward)
   no-lean-attention  keys/values repeated per query head, a float mask made in every layer
-  heap-kept        malloc's default during the update (freed activations stay in its heap)
+  no-trim          no malloc_trim before backward (freed activations stay resident in the heap)
+  mmap-1mib        malloc blocks of 1 MiB and more mmapped during the update (lowest peak)
   naive            all of the above off: full sequences, full logits, no lean layers (TRL-like)
   gen-shared / gen-repeat   generation with one prefill per group vs n copies
   gen-plain-decode generation without the measured product form and the roomy KV cache
@@ -61,14 +62,15 @@ VARIANTS = {
     "no-lean-mlp": {"lean_mlp": False},
     "no-lean-norm": {"lean_norm": False},
     "no-lean-attention": {"lean_attention": False},
-    "heap-kept": {"mmap_threshold_kb": 0},
+    "no-trim": {"malloc_trim": False},
+    "mmap-1mib": {"mmap_threshold_kb": 1024},
     "naive": {
         "shared_prefix": False,
         "full_logits": True,
         "lean_mlp": False,
         "lean_norm": False,
         "lean_attention": False,
-        "mmap_threshold_kb": 0,
+        "malloc_trim": False,
     },
     "gen-shared": {"generate": True},
     "gen-repeat": {"generate": True, "share_prompt_prefill": False},
@@ -212,7 +214,8 @@ def run_child(args) -> dict:
             lean_mlp=v.get("lean_mlp", True),
             lean_norm=v.get("lean_norm", True),
             lean_attention=v.get("lean_attention", True),
-            update_mmap_threshold_kb=v.get("mmap_threshold_kb", 1024),
+            update_malloc_trim=v.get("malloc_trim", True),
+            update_mmap_threshold_kb=v.get("mmap_threshold_kb", 0),
             optim=OptimConfig(lr=1e-7),
         )
         compute = resolve_compute_dtype(v.get("dtype", "float32"), torch.device("cpu"), torch.float32)
