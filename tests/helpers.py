@@ -181,3 +181,37 @@ def reference_log_probs(model, prompt_ids, response_ids, response_mask, temperat
     mask = response_mask.bool()
     zeros = torch.zeros(response_ids.shape, dtype=torch.float64, device=response_ids.device)
     return zeros.masked_scatter(mask, torch.cat(rows_lp)), zeros.masked_scatter(mask, torch.cat(rows_ent))
+
+
+def saved_activation_bytes(model, run, context) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while `run()` executes inside
+    `context` (a `with` block), the model's parameters excluded."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(storages.values())
+
+
+def weighted_loss_and_grads(model, ids, context):
+    """Inside `context` (a `with` block yielding a value): that value, a fixed random weighting of
+    the model's log-softmax over `ids` summed (detached), and its gradients for the trainable
+    parameters (`torch.autograd.grad`)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    with context as yielded:
+        logits = model(input_ids=ids).logits
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
+        loss = (logits.log_softmax(-1) * weights).sum()
+        grads = torch.autograd.grad(loss, params)
+    return yielded, loss.detach(), grads

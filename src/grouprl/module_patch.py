@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -22,3 +24,13 @@ def forward_replaced(model: torch.nn.Module, forward: Callable, take: Callable[[
     finally:
         for module in patched:
             del module.forward
+
+
+@functools.cache
+def forward_source(cls: type) -> str:
+    """The source of `cls.forward` without any whitespace ("" when it cannot be read): patches
+    recognise the modules they replace by the exact computation, not by class name."""
+    try:
+        return "".join(inspect.getsource(cls.forward).split())
+    except (OSError, TypeError):
+        return ""

@@ -6,7 +6,7 @@ import torch
 
 from grouprl.trainer.lean_attention import lean_attention
 from grouprl.trainer.logprobs import ResponseBatch, response_log_probs
-from helpers import exact_float64_norms, random_prompts, tiny_model_and_tokenizer
+from helpers import exact_float64_norms, random_prompts, saved_activation_bytes, tiny_model_and_tokenizer
 
 
 def _model(**overrides):
@@ -57,20 +57,10 @@ def test_keys_values_and_mask_are_kept_once():
     ids = torch.randint(3, cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[0, :3] = 0  # left padding: transformers then builds a [B, 1, T, T] boolean mask
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def saved_bytes(lean: bool) -> int:
-        storages = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with lean_attention(model, enabled=lean), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, attention_mask=mask).logits.sum()
-        return sum(storages.values())
+        run = lambda: model(input_ids=ids, attention_mask=mask)  # noqa: E731
+        return saved_activation_bytes(model, run, lean_attention(model, enabled=lean))
 
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     layers, extra_heads = cfg.num_hidden_layers, cfg.num_attention_heads - cfg.num_key_value_heads

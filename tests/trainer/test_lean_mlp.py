@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from grouprl.trainer.lean_mlp import lean_mlp
-from helpers import exact_float64_norms, tiny_model_and_tokenizer
+from helpers import (
+    exact_float64_norms,
+    saved_activation_bytes,
+    tiny_model_and_tokenizer,
+    weighted_loss_and_grads,
+)
 
 TOKENS = (3, 9)  # batch x length of the input
 
@@ -16,13 +21,7 @@ def _model(arch="llama", seed=0, **overrides):
 
 
 def _loss_and_grads(model, ids, lean: bool):
-    params = [p for p in model.parameters() if p.requires_grad]
-    with lean_mlp(model, enabled=lean) as patched:
-        logits = model(input_ids=ids).logits
-        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
-        loss = (logits.log_softmax(-1) * weights).sum()
-        grads = torch.autograd.grad(loss, params)
-    return patched, loss.detach(), grads
+    return weighted_loss_and_grads(model, ids, lean_mlp(model, enabled=lean))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -44,20 +43,9 @@ def test_values_and_gradients_equal_the_modules_own(arch, mlp_bias):
 def test_two_intermediate_tensors_per_layer_fewer_are_saved():
     model = _model()
     ids = torch.randint(0, model.config.vocab_size, TOKENS, generator=torch.Generator().manual_seed(0))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def saved_bytes(lean: bool) -> int:
-        storages = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with lean_mlp(model, enabled=lean), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids).logits.sum()
-        return sum(storages.values())
+        return saved_activation_bytes(model, lambda: model(input_ids=ids), lean_mlp(model, enabled=lean))
 
     cfg = model.config
     per_layer = 2 * TOKENS[0] * TOKENS[1] * cfg.intermediate_size * 8  # act(gate) and the product, float64

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from grouprl.trainer.lean_norm import lean_norm
-from helpers import exact_float64_norms, tiny_model_and_tokenizer
+from helpers import (
+    exact_float64_norms,
+    saved_activation_bytes,
+    tiny_model_and_tokenizer,
+    weighted_loss_and_grads,
+)
 
 TOKENS = (3, 9)  # batch x length of the input
 
@@ -17,13 +22,7 @@ def _ids(model, seed=0):
 
 
 def _loss_and_grads(model, ids, lean: bool):
-    params = [p for p in model.parameters() if p.requires_grad]
-    with lean_norm(model, enabled=lean) as patched:
-        logits = model(input_ids=ids).logits
-        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
-        loss = (logits.log_softmax(-1) * weights).sum()
-        grads = torch.autograd.grad(loss, params)
-    return patched, loss.detach(), grads
+    return weighted_loss_and_grads(model, ids, lean_norm(model, enabled=lean))
 
 
 def _norm_count(model) -> int:
@@ -80,20 +79,9 @@ def test_bf16_autocast_and_bf16_weights_match_autograd():
 def test_one_hidden_sized_tensor_per_norm_fewer_is_saved():
     model = tiny_model_and_tokenizer(dtype=torch.float32, seed=0)[0].train()
     ids = _ids(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def saved_bytes(lean: bool) -> int:
-        storages = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with lean_norm(model, enabled=lean), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids).logits.sum()
-        return sum(storages.values())
+        return saved_activation_bytes(model, lambda: model(input_ids=ids), lean_norm(model, enabled=lean))
 
     per_norm = TOKENS[0] * TOKENS[1] * model.config.hidden_size * 4  # the normalised input, float32
     assert saved_bytes(False) - saved_bytes(True) == _norm_count(model) * per_norm

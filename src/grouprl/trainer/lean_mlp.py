@@ -15,26 +15,18 @@ and the function then covers the activation and product only (one tensor saved i
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 
-from grouprl.module_patch import forward_replaced
+from grouprl.module_patch import forward_replaced, forward_source
 
 _GATED = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
-_IS_GATED: dict[type, bool] = {}
 
 
 def _is_gated_mlp(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    if cls not in _IS_GATED:
-        try:
-            source = "".join(inspect.getsource(cls.forward).split())
-        except (OSError, TypeError):
-            source = ""
-        _IS_GATED[cls] = f"return{_GATED}" in source or f"down_proj={_GATED}" in source
-    return _IS_GATED[cls] and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    source = forward_source(type(module))
+    gated = f"return{_GATED}" in source or f"down_proj={_GATED}" in source
+    return gated and all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 class _GatedDown(torch.autograd.Function):

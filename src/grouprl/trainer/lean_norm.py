@@ -15,11 +15,9 @@ norm, for one, keeps its own forward).
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from grouprl.module_patch import forward_replaced
+from grouprl.module_patch import forward_replaced, forward_source
 
 _RMS_NORM = (
     "input_dtype=hidden_states.dtype"
@@ -28,19 +26,11 @@ _RMS_NORM = (
     "hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)"
     "returnself.weight*hidden_states.to(input_dtype)"
 )
-_IS_RMS_NORM: dict[type, bool] = {}
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    if cls not in _IS_RMS_NORM:
-        try:
-            source = "".join(inspect.getsource(cls.forward).split())
-        except (OSError, TypeError):
-            source = ""
-        _IS_RMS_NORM[cls] = _RMS_NORM in source
     weight = getattr(module, "weight", None)
-    return _IS_RMS_NORM[cls] and isinstance(weight, torch.Tensor) and hasattr(module, "variance_epsilon")
+    return _RMS_NORM in forward_source(type(module)) and isinstance(weight, torch.Tensor) and hasattr(module, "variance_epsilon")
 
 
 class _RMSNorm(torch.autograd.Function):
