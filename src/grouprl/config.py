@@ -354,6 +354,9 @@ class ActorConfig:
     update_malloc_trim: bool = True
     """Before each backward, give the pages of malloc's free chunks back to the OS (Linux/glibc):
     lowers the peak RSS (freed activations otherwise stay resident) for a few percent of update time."""
+    update_trim_every_layers: int = 5
+    """With update_malloc_trim, also give them back when backward reaches every this many decoder
+    layers (what backward frees inside one micro-batch; 0 = before each backward only)."""
     update_mmap_threshold_kb: int = 0
     """During the update, malloc blocks of this size and more that its heap has no room for are
     mmapped and unmapped when freed (Linux/glibc): the lowest peak RSS, but fresh pages are
@@ -836,6 +839,7 @@ def validate(cfg: Config) -> Config:
     )
     need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
+    need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")
     need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")
     need(
         not cfg.curriculum.dynamic_filter or cfg.data.sampler == "curriculum",

@@ -111,3 +111,58 @@ def test_without_glibc_both_do_nothing(monkeypatch):
     with allocator.mapped_large_blocks(MiB) as ok:
         assert not ok
     assert not allocator.release_free_memory()
+
+
+def _count_trims(monkeypatch) -> list[str]:
+    calls = []
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: calls.append("trim") or True)
+    return calls
+
+
+def test_decoder_layers_are_found_through_a_peft_wrapper():
+    peft = pytest.importorskip("peft")
+    from helpers import tiny_model_and_tokenizer
+
+    model, _ = tiny_model_and_tokenizer(num_hidden_layers=3)
+    assert allocator.decoder_layers(model) == list(model.model.layers)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert allocator.decoder_layers(wrapped) == list(model.model.layers)
+
+
+@pytest.mark.parametrize(("every", "layers", "expected"), [(1, 4, 4), (2, 4, 2), (3, 4, 1), (5, 4, 0), (0, 4, 0)])
+def test_backward_trims_at_every_nth_decoder_layer_and_leaves_gradients_alone(monkeypatch, every, layers, expected):
+    import torch
+
+    from helpers import tiny_model_and_tokenizer
+
+    model, _ = tiny_model_and_tokenizer(num_hidden_layers=layers)
+    monkeypatch.setattr(allocator, "_glibc", lambda: object())  # as on glibc, also elsewhere
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids).logits.log_softmax(-1)[..., 3].sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads()
+    calls = _count_trims(monkeypatch)
+    with allocator.trim_during_backward(model, every) as hooked:
+        assert hooked == expected
+        with torch.no_grad():  # nothing to trim for: no backward follows
+            model(input_ids=ids)
+        assert calls == []
+        trimmed = grads()
+        assert calls == ["trim"] * expected  # during backward, not forward
+    assert all(torch.equal(a, b) for a, b in zip(plain, trimmed, strict=True))
+    calls.clear()
+    grads()
+    assert calls == []  # hooks removed on leaving
+
+
+def test_without_glibc_backward_is_not_hooked(monkeypatch):
+    from helpers import tiny_model_and_tokenizer
+
+    model, _ = tiny_model_and_tokenizer(num_hidden_layers=2)
+    monkeypatch.setattr(allocator, "_glibc", lambda: None)
+    with allocator.trim_during_backward(model, 1) as hooked:
+        assert hooked == 0

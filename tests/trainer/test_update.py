@@ -466,17 +466,23 @@ def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32():
 
 
 @pytest.mark.parametrize("trim", [True, False])
-def test_free_heap_pages_are_released_before_each_backward_when_asked(model, tensors, monkeypatch, trim):
+def test_free_heap_pages_are_released_before_each_backward_and_inside_it_when_asked(model, tensors, monkeypatch, trim):
+    import grouprl.trainer.allocator as allocator_module
     import grouprl.trainer.update as update_module
 
     events = []
     monkeypatch.setattr(update_module, "release_free_memory", lambda: events.append("trim") or True)
+    monkeypatch.setattr(allocator_module, "release_free_memory", lambda: events.append("layer") or True)
+    monkeypatch.setattr(allocator_module, "_glibc", lambda: object())  # as on glibc, also elsewhere
     real_backward = torch.Tensor.backward
     monkeypatch.setattr(
         torch.Tensor, "backward", lambda self, *a, **k: events.append("backward") or real_backward(self, *a, **k)
     )
-    cfg = actor_config(micro_batch_size=3, update_malloc_trim=trim)
+    cfg = actor_config(micro_batch_size=3, update_malloc_trim=trim, update_trim_every_layers=1)
     steps, _ = accumulated_grads(model, tensors, cfg)
-    # two groups of four rows in micro-batches of at most three: 3 + 1 rows per group
-    assert events == (["trim", "backward"] * 4 if trim else ["backward"] * 4)
+    # two groups of four rows in micro-batches of at most three: 3 + 1 rows per group, each
+    # micro-batch's backward through the 2 layers, then the group's prompt's backward
+    layers = ["layer", "layer"]
+    per_group = ["trim", "backward", *layers, "trim", "backward", *layers, *layers]
+    assert events == (per_group * 2 if trim else ["backward"] * 4)
     assert max_relative_difference(steps[0], hand_built_grads(model, tensors, cfg)) < 1e-8

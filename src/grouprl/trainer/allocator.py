@@ -9,7 +9,11 @@ run the peak RSS, reached in backward, was about 0.5 GiB above what malloc had h
 Two remedies, both doing nothing where the C library is not glibc:
 - `release_free_memory()`, before each backward (`actor.update_malloc_trim`, on by default):
   `malloc_trim(0)` hands the pages of the heap's free chunks back. The heap keeps its layout,
-  so a reused hole is faulted in again. About 0.05 s a call here.
+  so a reused hole is faulted in again. About 0.01-0.05 s a call here.
+- `trim_during_backward(model, every)`: the same call when backward reaches every `every`-th
+  decoder layer (`actor.update_trim_every_layers`). Backward frees a layer's activations and
+  allocates its gradients' temporaries in other sizes, so without it the holes backward leaves
+  stay resident until the next micro-batch; in a default run the peak fell by 0.3 GiB.
 - `mapped_large_blocks(threshold)` around the update (`actor.update_mmap_threshold_kb`, off by
   default): a block of `threshold` bytes or more that the heap's free chunks cannot serve is
   mmapped instead of growing the heap, and unmapped when freed. The lowest peak, but each such
@@ -23,6 +27,8 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+
+import torch
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 GLIBC_CEILING = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -65,3 +71,34 @@ def mapped_large_blocks(threshold: int):
     finally:
         if ok:
             mallopt(M_MMAP_THRESHOLD, GLIBC_CEILING)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of the classes its `_no_split_modules` names
+    (transformers' decoder layers), found through wrappers such as peft's."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+@contextlib.contextmanager
+def trim_during_backward(model: torch.nn.Module, every: int):
+    """Within the block, backward calls `release_free_memory()` when it reaches the output of
+    every `every`-th decoder layer (0, or no glibc: nothing). Yields the number of layers hooked."""
+    layers = decoder_layers(model)[every - 1 :: every] if every > 0 and _glibc() is not None else []
+
+    def on_output(_grad):
+        release_free_memory()
+
+    def after_forward(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(on_output)
+
+    handles = [layer.register_forward_hook(after_forward) for layer in layers]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()

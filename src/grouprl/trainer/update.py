@@ -19,7 +19,7 @@ import torch
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
-from grouprl.trainer.allocator import mapped_large_blocks, release_free_memory
+from grouprl.trainer.allocator import mapped_large_blocks, release_free_memory, trim_during_backward
 from grouprl.trainer.lean_attention import lean_attention
 from grouprl.trainer.lean_mlp import lean_mlp
 from grouprl.trainer.lean_norm import lean_norm
@@ -200,6 +200,7 @@ class PolicyUpdater:
             lean_norm(model, enabled=self.cfg.lean_norm),
             lean_attention(model, enabled=self.cfg.lean_attention),
             mapped_large_blocks(self.cfg.update_mmap_threshold_kb << 10),
+            trim_during_backward(model, self.cfg.update_trim_every_layers if self.cfg.update_malloc_trim else 0),
             head_grad_into_param(),
         ):
             yield
