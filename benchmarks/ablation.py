@@ -18,7 +18,8 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
                    LM head at response positions in chunks with a hand-written backward,
                    micro-batches of 16 rows (the recipe's), float32, fused AdamW, lean MLPs,
                    lean RMSNorms, grouped-query attention on unrepeated keys/values,
-                   malloc_trim before each backward, tied head gradient added into .grad
+                   malloc_trim before each backward and at every 5th layer inside it,
+                   tied head gradient added into .grad
   no-shared-prefix every row runs prompt + response (what TRL and verl do)
   no-packing       shared prefix, but one padded response per row on the prompt's repeated cache
   autograd-head    the LM head chunks under activation checkpointing with autograd's backward
@@ -29,7 +30,8 @@ Variants (each turns one thing off, or on, relative to `grouprl`):
   no-lean-mlp      the gated MLPs keep all four intermediate tensors (autograd's own backward)
   no-lean-norm     the RMSNorms keep their normalised input too (autograd's own backward)
   no-lean-attention  keys/values repeated per query head, a float mask made in every layer
-  no-trim          no malloc_trim before backward (freed activations stay resident in the heap)
+  no-trim          no malloc_trim at all (freed activations stay resident in the heap)
+  trim-outside-backward  malloc_trim before each backward only, not at every 5th layer inside it
   mmap-1mib        malloc blocks of 1 MiB and more mmapped during the update (lowest peak)
   naive            all of the above off: full sequences, full logits, no lean layers (TRL-like)
   gen-shared / gen-repeat   generation with one prefill per group vs n copies
@@ -63,6 +65,7 @@ VARIANTS = {
     "no-lean-norm": {"lean_norm": False},
     "no-lean-attention": {"lean_attention": False},
     "no-trim": {"malloc_trim": False},
+    "trim-outside-backward": {"trim_every_layers": 0},
     "mmap-1mib": {"mmap_threshold_kb": 1024},
     "naive": {
         "shared_prefix": False,
@@ -215,6 +218,7 @@ def run_child(args) -> dict:
             lean_norm=v.get("lean_norm", True),
             lean_attention=v.get("lean_attention", True),
             update_malloc_trim=v.get("malloc_trim", True),
+            update_trim_every_layers=v.get("trim_every_layers", 5),
             update_mmap_threshold_kb=v.get("mmap_threshold_kb", 0),
             optim=OptimConfig(lr=1e-7),
         )

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vs_trl.py [--steps 5 --rounds 4 --batch 4 --n-agent 8 --max-new-tokens 48]
     .venv/bin/python benchmarks/vs_trl.py --quick        # smoke test (tiny settings)
+    .venv/bin/python benchmarks/vs_trl.py --isolated --steps 2   # each side alone in fresh processes: peak RSS
 
 Both trainers are built once; each round runs N steps of one side, then N of the other (grouprl first
 on even rounds), each side keeping its state. TRL's `train()` runs in a helper thread that a callback
@@ -16,6 +17,10 @@ Per step, on both sides: step = one optimizer step (TRL: on_step_begin to on_ste
 the generate call (TRL: `_generate`, tokenising and decoding included); reward = the reward functions
 (TRL: `_calculate_rewards`); update = step - generation - reward. tokens/s = (prompt tokens x n +
 generated tokens) / step time. Memory: RSS sampled by a thread, per side's phases; ru_maxrss.
+
+--isolated: each round starts one child process per side (alternating which goes first) that builds
+only that side and runs --steps steps from the start; a side's peak RSS is its child's ru_maxrss
+(model, optimizer state, generation and update of that side alone, as a user's run would see it).
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ import copy
 import ctypes
 import functools
 import json
+import pickle
 import platform
 import resource
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -61,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--quick", action="store_true", help="smoke test: 1 round x 1 step, 2 prompts x 2, 8 tokens")
     p.add_argument("--out", type=Path, default=None, help="write all records and the summary as JSON")
+    p.add_argument("--isolated", action="store_true",
+                   help="each side alone in a fresh child process per round: per-side peak RSS (ru_maxrss)")
+    p.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)  # internal: one side, one process
+    p.add_argument("--child-io", type=Path, help=argparse.SUPPRESS)  # internal: pickled samples in, JSON out
     args = p.parse_args()
     if args.quick:
         args.steps, args.rounds, args.batch, args.n_agent, args.max_new_tokens = 1, 1, 2, 2, 8
@@ -325,8 +337,73 @@ def run_rounds(args, sides: dict, monitor: RSSMonitor) -> tuple[dict, dict]:
     return records, ru_after
 
 
+def run_child(args) -> None:
+    """One side alone: build it, run --steps steps, write its records and ru_maxrss as JSON."""
+    io = args.child_io
+    work = tempfile.mkdtemp(prefix=f"vs_trl-{args.child}-")
+    try:
+        cfg = grouprl_config(args, work)
+        side = (GroupRLSide(cfg) if args.child == "grouprl" else
+                TRLSide(cfg, resolve_model_path(cfg.model), pickle.loads(io.with_suffix(".pkl").read_bytes()), work))
+        built = ru_maxrss_gb()
+        try:
+            records = side.run_steps(args.steps)
+        finally:
+            if isinstance(side, TRLSide):
+                side.finish()
+        io.with_suffix(".json").write_text(json.dumps(
+            {"records": records, "ru_maxrss_gib": ru_maxrss_gb(), "ru_maxrss_built_gib": built}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_isolated(args) -> None:
+    """Per round, one fresh child process per side (the order alternating); each child's ru_maxrss is
+    that side's peak RSS."""
+    work = Path(tempfile.mkdtemp(prefix="vs_trl-isolated-"))
+    try:
+        cfg = grouprl_config(args, str(work))
+        order = draw_order(Trainer(cfg), args.steps)  # the prompts grouprl draws, for TRL's dataset
+        io = work / "io"
+        io.with_suffix(".pkl").write_bytes(pickle.dumps(order))
+        flags = [f"--steps={args.steps}", "--rounds=1", f"--batch={args.batch}", f"--n-agent={args.n_agent}",
+                 f"--max-new-tokens={args.max_new_tokens}", f"--seed={args.seed}"]
+        flags += [f"--lr={args.lr}"] if args.lr is not None else []
+        results: dict[str, list[dict]] = {s: [] for s in SIDES}
+        for rnd in range(args.rounds):
+            for name in SIDES if rnd % 2 == 0 else SIDES[::-1]:
+                subprocess.run([sys.executable, __file__, *flags, f"--child={name}", f"--child-io={io}"], check=True)
+                out = json.loads(io.with_suffix(".json").read_text())
+                results[name].append(out)
+                steps = ", ".join(f"{r['time_step']:.1f}" for r in out["records"])
+                print(f"[round {rnd}] {name:7s} peak RSS {out['ru_maxrss_gib']:.2f} GiB (after building "
+                      f"{out['ru_maxrss_built_gib']:.2f}); steps {steps} s; rewards "
+                      + ", ".join(f"{r['reward']:.3f}" for r in out["records"]), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    peak = {s: max(o["ru_maxrss_gib"] for o in results[s]) for s in SIDES}
+    step = {s: statistics.median(r["time_step"] for o in results[s] for r in o["records"][1:] or o["records"])
+            for s in SIDES}
+    print(f"\neach side alone ({args.rounds} fresh process(es) each, {args.steps} step(s) per process):\n"
+          f"{'':26s} {'grouprl':>10s} {'TRL':>10s} {'grouprl/TRL':>12s}")
+    for label, d in [("peak RSS, max (GiB)", peak), ("median step time (s)", step)]:
+        print(f"{label:26s} {d['grouprl']:10.3f} {d['trl']:10.3f} {d['grouprl'] / d['trl']:12.3f}")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                        "peak_rss_gib": peak, "median_step_s": step, "runs": results}, indent=2))
+        print(f"wrote {args.out}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.child:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        return run_child(args)
+    if args.isolated:
+        return run_isolated(args)
     import transformers
     import trl
 

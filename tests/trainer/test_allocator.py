@@ -64,10 +64,12 @@ TRIM_SCRIPT = textwrap.dedent(
     import ctypes, os, torch
     from grouprl.trainer import allocator
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20)  # blocks under 32 MiB from the heap
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 32 << 20)  # blocks under 32 MiB from the heap
+    libc.mallopt(-1, 1 << 30)  # no automatic trim of the heap's top when a block is freed
     rss = lambda: int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     blocks = [torch.ones(128 << 10) for _ in range(200)]  # 200 x 512 KiB, written
-    pin = torch.ones(16)  # above them: the freed blocks are not at the heap's top
+    pin = torch.ones(128 << 10)  # above them (no hole fits it): the freed blocks are not at the heap's top
     before = rss()
     del blocks
     kept = rss()
