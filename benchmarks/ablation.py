@@ -15,12 +15,14 @@ same prompts with and without the one-prefill-per-group cache expansion.
 
 Variants (each turns one thing off, or on, relative to `grouprl`):
   grouprl          shared prefix with the responses of a prompt packed end to end (no padding),
+                   the opening all prompts share (system prompt, example turn) run once,
                    LM head at response positions in chunks with a hand-written backward,
                    micro-batches of 16 rows (the recipe's), float32, fused AdamW, lean MLPs,
                    lean RMSNorms, grouped-query attention on unrepeated keys/values,
                    malloc_trim before each backward and at every 5th layer inside it,
                    tied head gradient added into .grad
   no-shared-prefix every row runs prompt + response (what TRL and verl do)
+  no-shared-opening  each group's prompt runs whole, the opening all prompts share included
   no-packing       shared prefix, but one padded response per row on the prompt's repeated cache
   autograd-head    the LM head chunks under activation checkpointing with autograd's backward
   full-logits      the [tokens, vocab] logits of a micro-batch materialised at once (no chunks)
@@ -55,6 +57,7 @@ from pathlib import Path
 VARIANTS = {
     "grouprl": {},
     "no-shared-prefix": {"shared_prefix": False},
+    "no-shared-opening": {"shared_opening": False},
     "no-packing": {"pack": False},
     "autograd-head": {"autograd_head": True},
     "full-logits": {"full_logits": True},
@@ -214,6 +217,7 @@ def run_child(args) -> dict:
             micro_batch_size=rows_per_micro,
             micro_batch_tokens=budget,
             shared_prefix=v.get("shared_prefix", True),
+            shared_opening=v.get("shared_opening", True),
             lean_mlp=v.get("lean_mlp", True),
             lean_norm=v.get("lean_norm", True),
             lean_attention=v.get("lean_attention", True),

@@ -342,6 +342,9 @@ class ActorConfig:
     """Entropy bonus weight (verl: actor.entropy_coeff)."""
     shared_prefix: bool = True
     """Run each group's shared prompt once in forward/backward and reuse its KV cache."""
+    shared_opening: bool = True
+    """With shared_prefix: the opening all of a mini-batch's prompts share (system prompt, example
+    turns; 16 tokens or more) runs once for all its groups, their prompts' rest on top of it."""
     lean_mlp: bool = True
     """Gated MLPs keep gate(x) and up(x) for backward and recompute the activation and product
     (two [tokens, intermediate] tensors per layer less; same numbers)."""

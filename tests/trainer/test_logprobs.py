@@ -16,7 +16,13 @@ import contextlib
 import pytest
 import torch
 
-from grouprl.trainer.logprobs import ResponseBatch, prefix_forward, response_log_probs, unique_prompts
+from grouprl.trainer.logprobs import (
+    ResponseBatch,
+    prefix_forward,
+    response_log_probs,
+    shared_opening,
+    unique_prompts,
+)
 from helpers import exact_float64_norms, random_prompts, reference_log_probs, tiny_model_and_tokenizer
 
 PROMPT_LENGTHS = [5, 9, 1]
@@ -341,3 +347,88 @@ def test_head_gradient_added_into_the_parameter_equals_autograds(model, batch):
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
     model.zero_grad(set_to_none=True)
+
+
+OPENING = 17  # tokens every prompt of `opened_batch` starts with
+
+
+def opened_batch(vocab_size: int) -> ResponseBatch:
+    """`make_batch`'s rows with one 17-token opening put in front of every prompt."""
+    batch = make_batch(vocab_size)
+    opening = random_prompts([OPENING], vocab_size, seed=9)[0]
+    return ResponseBatch([list(opening) + p for p in batch.prompt_ids], batch.response_ids, batch.response_mask)
+
+
+def test_shared_opening_is_the_longest_common_start_leaving_each_prompt_a_token():
+    a, b, c = [1] * 20 + [2, 3], [1] * 20 + [4], [1] * 18 + [5, 6, 7]
+    assert shared_opening([a, b, a]) == [1] * 20
+    assert shared_opening([a, b, c]) == [1] * 18
+    assert shared_opening([a, [1] * 20]) == [1] * 19  # the shorter prompt keeps its last token
+    assert shared_opening([a, a]) == []  # one distinct prompt: its group's prefix already runs once
+    assert shared_opening([a, [1] * 10 + [9] * 12]) == []  # 10 tokens: below the 16-token floor
+    assert shared_opening([a, [1] * 10 + [9] * 12], min_tokens=10) == [1] * 10
+
+
+def _opening_and_rows(model, batch):
+    prompts, index = unique_prompts(batch.prompt_ids)
+    tokens = shared_opening(prompts)
+    assert len(tokens) == OPENING
+    return prefix_forward(model, [tokens]), prompts, index
+
+
+def test_prompts_run_on_a_shared_opening_equal_full_sequences(model):
+    """The opening once, each prompt's rest on it, the responses on that: values and gradients
+    equal to full sequences, the gradient flowing back through the opening."""
+    batch = opened_batch(model.config.vocab_size)
+    mask = batch.response_mask
+    ref_lp, ref_ent = reference(model, batch)
+    expected = grads(model, scalar_loss(ref_lp, ref_ent, mask))
+    opening, _, _ = _opening_and_rows(model, batch)
+    lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, opening=opening)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=ATOL)
+    assert_grads_close(grads(model, scalar_loss(lp, ent, mask)), expected, GRAD_RTOL)
+
+
+def test_opening_leaves_shared_by_micro_batches_give_the_single_pass_gradient(model):
+    """The opening's leaves feed two micro-batches, each running its prompts' rest on them and
+    backpropagating; then the opening's one backward: the gradient of all rows in one pass."""
+    batch = opened_batch(model.config.vocab_size)
+    mask = batch.response_mask
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref_lp, ref_ent = reference(model, batch)
+    expected = grads(model, scalar_loss(ref_lp, ref_ent, mask, seed=4))
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    model.zero_grad(set_to_none=True)
+    opening, _, _ = _opening_and_rows(model, batch)
+    opened = opening.detached()
+    for rows in ([0, 3, 4], [1, 2, 5]):
+        sub = ResponseBatch([batch.prompt_ids[i] for i in rows], batch.response_ids[rows], mask[rows])
+        lp, ent = response_log_probs(model, sub, with_entropy=True, opening=opened)
+        m = mask[rows].double()
+        ((lp * weights[rows] * m).sum() + 0.3 * (ent * m).sum()).backward()
+    assert opened.keys[0].grad is not None
+    opening.backward_from(opened)
+    assert_grads_close([p.grad for p in params], expected, GRAD_RTOL)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_shared_opening_under_gradient_checkpointing():
+    model = exact_float64_norms(tiny_model_and_tokenizer(dtype=torch.float64, seed=3)[0])
+    batch = opened_batch(model.config.vocab_size)
+    mask = batch.response_mask
+    ref_lp, ref_ent = reference(model, batch)
+    expected = grads(model, scalar_loss(ref_lp, ref_ent, mask))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    counts = _count_layer_calls(model)
+    opening, _, _ = _opening_and_rows(model, batch)
+    lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, opening=opening)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)
+    assert_grads_close(grads(model, scalar_loss(lp, ent, mask)), expected, GRAD_RTOL)
+    n_layers = len(model.get_decoder().layers)
+    # forward: opening, prompts' rest, responses; backward replays each
+    assert counts["layer_calls"] == 2 * 3 * n_layers
+    # the opening once; the rests (5, 9, 1 tokens) left-padded to 9; the packed responses as before
+    assert counts["tokens"] == OPENING + len(PROMPT_LENGTHS) * max(PROMPT_LENGTHS) + 3 * 11

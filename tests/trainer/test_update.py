@@ -35,8 +35,10 @@ RESPONSES = [
 N_ROWS = sum(len(group) for group in RESPONSES)
 
 
-def make_trajectories(vocab_size: int, seed: int = 0) -> list[Trajectory]:
-    prompts = random_prompts([4, 7], vocab_size, seed=seed)
+def make_trajectories(vocab_size: int, seed: int = 0, opening: int = 0) -> list[Trajectory]:
+    """Two groups (RESPONSES); with `opening`, both prompts start with the same that many tokens."""
+    start = random_prompts([opening], vocab_size, seed=seed + 7)[0] if opening else []
+    prompts = [start + p for p in random_prompts([4, 7], vocab_size, seed=seed)]
     gen = torch.Generator().manual_seed(seed + 1)
     advantages = torch.randn(N_ROWS, generator=gen).tolist()
     trajectories = []
@@ -486,3 +488,40 @@ def test_free_heap_pages_are_released_before_each_backward_and_inside_it_when_as
     per_group = ["trim", "backward", *layers, "trim", "backward", *layers, *layers]
     assert events == (per_group * 2 if trim else ["backward"] * 4)
     assert max_relative_difference(steps[0], hand_built_grads(model, tensors, cfg)) < 1e-8
+
+
+@pytest.mark.parametrize("micro_batch_size", [N_ROWS, 3])
+def test_prompts_sharing_an_opening_run_it_once_with_the_same_gradient(model, micro_batch_size, monkeypatch):
+    """Both groups' prompts start with the same 20 tokens: the update runs them once (also when
+    micro-batches split the groups) and the gradient is the full-sequence one; the no-grad
+    scoring pass too gives the full-sequence log-probs."""
+    import grouprl.trainer.update as update_module
+
+    tensors = build_step_tensors(
+        make_trajectories(model.config.vocab_size, opening=20), "cpu", mask_truncated=True, pad_token_id=0
+    )
+    openings = []
+    real_prefix_forward = update_module.prefix_forward
+    monkeypatch.setattr(
+        update_module,
+        "prefix_forward",
+        lambda model, prompts, pad, opening=None: openings.append(prompts if opening is None else "rest")
+        or real_prefix_forward(model, prompts, pad, opening),
+    )
+    cfg = actor_config(micro_batch_size=micro_batch_size, policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
+    steps, _ = accumulated_grads(model, tensors, cfg)
+    assert openings[0] == [tensors.prompt_ids[0][:20]]  # the opening, once per mini-batch
+    # split groups run their prompts' rest once on it (whole groups do so inside the log-probs)
+    assert openings[1:] == (["rest", "rest"] if micro_batch_size == 3 else [])
+    assert max_relative_difference(steps[0], hand_built_grads(model, tensors, cfg)) < 1e-8
+
+    openings.clear()
+    updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0)
+    scored = updater.score_all(model, tensors)
+    assert openings[0] == [tensors.prompt_ids[0][:20]]
+    with torch.no_grad():
+        lp, _ = reference_log_probs(model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE)
+    torch.testing.assert_close(scored, lp.to(scored.dtype), rtol=0, atol=1e-10)
+
+    off, _ = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "shared_opening": False}))
+    assert max_relative_difference(off[0], steps[0]) < 1e-8

@@ -265,6 +265,22 @@ class _ReadOnlyLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
 
+class _OpenedRecordLayer(DynamicLayer):
+    """Prefix pass on top of a shared opening: attends to the opening's keys/values (one row,
+    broadcast to the prompts) plus the new states, and keeps the joined keys/values."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.opening = (keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
+        self.keys, self.values = self.opening
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys = torch.cat([self.opening[0], key_states], dim=-2)
+        self.values = torch.cat([self.opening[1], value_states], dim=-2)
+        return self.keys, self.values
+
+
 def _cache_of(layers: list[DynamicLayer]) -> DynamicCache:
     cache = DynamicCache()
     cache.layers = layers
@@ -295,13 +311,40 @@ def unique_prompts(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[i
     return [list(p) for p in unique], index
 
 
-def prefix_forward(model, prompts: list[list[int]], pad_token_id: int = 0) -> Prefix:
-    """Run U prompts (left-padded) once; differentiable when grad is enabled."""
+OPENING_MIN_TOKENS = 16
+"""A batch's prompts share an opening (system prompt, example turns) worth running once when it
+is at least this long."""
+
+
+def shared_opening(prompts: list[list[int]], min_tokens: int = OPENING_MIN_TOKENS) -> list[int]:
+    """The longest opening that two or more distinct prompts all start with, leaving each at
+    least one token of its own; [] when shorter than `min_tokens` or fewer than two prompts."""
+    distinct = {tuple(p) for p in prompts}
+    if len(distinct) < 2:
+        return []
+    first, n = prompts[0], min(len(p) for p in distinct) - 1
+    for p in distinct:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return list(first[:n]) if n >= min_tokens else []
+
+
+def prefix_forward(
+    model, prompts: list[list[int]], pad_token_id: int = 0, opening: Prefix | None = None
+) -> Prefix:
+    """Run U prompts (left-padded) once; differentiable when grad is enabled. With `opening`
+    (this function's result for one prompt that every prompt starts with, without padding) only
+    the rest of each prompt runs, on the opening's keys/values; the result is the same Prefix."""
     decoder, _ = _decoder_and_head(model)
     device = next(model.parameters()).device
-    prefix_ids, prefix_mask = left_pad(prompts, pad_token_id, device)  # [U, L]
-    prefix_pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = _cache_of([_RecordLayer() for _ in range(_num_layers(decoder))])
+    start = 0 if opening is None else opening.mask.shape[1]
+    prefix_ids, prefix_mask = left_pad([p[start:] for p in prompts], pad_token_id, device)  # [U, L]
+    prefix_pos = start + (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    if opening is None:
+        cache = _cache_of([_RecordLayer() for _ in range(_num_layers(decoder))])
+    else:
+        rows = len(prompts)
+        cache = _cache_of([_OpenedRecordLayer(k, v, rows) for k, v in zip(opening.keys, opening.values)])
+        prefix_mask = torch.cat([opening.mask.expand(rows, -1), prefix_mask], -1)  # [U, start + L]
     with _cache_under_checkpointing(decoder):
         hidden = decoder(
             input_ids=prefix_ids,
@@ -329,19 +372,21 @@ def response_log_probs(
     pad_token_id: int = 0,
     prefix: Prefix | None = None,
     prefix_index: list[int] | None = None,
+    opening: Prefix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(response_t | prompt, response_<t) and the entropy of that distribution,
     both [N, R] (zero at padding). Differentiable when grad is enabled.
 
     With `prefix` (from `prefix_forward`), row i continues prompt `prefix_index[i]` of it and
-    `batch.prompt_ids` is not read."""
+    `batch.prompt_ids` is not read. With `opening` (shared prefix only), the prompts' common
+    opening has been run already (see `prefix_forward`)."""
     decoder, head = _decoder_and_head(model)
     if prefix is not None:
         hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, prefix_index, batch)
     elif shared_prefix:
         prompts, index = unique_prompts(batch.prompt_ids)
         hidden_at, targets, mask = _hidden_on_prefix(
-            decoder, prefix_forward(model, prompts, pad_token_id), index, batch
+            decoder, prefix_forward(model, prompts, pad_token_id, opening), index, batch
         )
     else:
         hidden_at, targets, mask = _full_sequence_hidden(decoder, batch, pad_token_id)

@@ -29,6 +29,7 @@ from grouprl.trainer.logprobs import (
     head_grad_into_param,
     prefix_forward,
     response_log_probs,
+    shared_opening,
 )
 from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
 
@@ -125,8 +126,10 @@ class PolicyUpdater:
         with_entropy=False,
         prefix: Prefix | None = None,
         unit: PrefixUnit | None = None,
+        opening: Prefix | None = None,
     ):
-        """Rows `index`; with `prefix` (the prompts of `unit`, already run) only the responses run."""
+        """Rows `index`; with `prefix` (the prompts of `unit`, already run) only the responses run;
+        with `opening` (see `opening_forward`) the prompts' common opening is not run again."""
         with self._autocast(model):
             return response_log_probs(
                 model,
@@ -138,6 +141,7 @@ class PolicyUpdater:
                 pad_token_id=self.pad_token_id,
                 prefix=prefix,
                 prefix_index=[unit.prompt_of_row[r] for r in index] if prefix is not None else None,
+                opening=opening,
             )
 
     def _autocast(self, model):
@@ -146,9 +150,20 @@ class PolicyUpdater:
             return contextlib.nullcontext()
         return torch.autocast(device_type=next(model.parameters()).device.type, dtype=self.compute_dtype)
 
-    def _prefix(self, model, unit: PrefixUnit) -> Prefix:
+    def _prefix(self, model, unit: PrefixUnit, opening: Prefix | None = None) -> Prefix:
         with self._autocast(model):
-            return prefix_forward(model, unit.prompts, self.pad_token_id)
+            return prefix_forward(model, unit.prompts, self.pad_token_id, opening)
+
+    def opening_forward(self, model, tensors: StepTensors, rows: list[int]) -> Prefix | None:
+        """The opening that the distinct prompts of `rows` share (a system prompt, example turns),
+        run once for all their groups and micro-batches; None when off or too short to matter."""
+        if not (self.cfg.shared_prefix and self.cfg.shared_opening):
+            return None
+        tokens = shared_opening([tensors.prompt_ids[r] for r in rows])
+        if not tokens:
+            return None
+        with self._autocast(model):
+            return prefix_forward(model, [tokens], self.pad_token_id)
 
     def plan(self, tensors: StepTensors, rows: list[int]) -> list[PrefixUnit]:
         """Micro-batches of `rows` by row count or token budget (see micro_batches.py)."""
@@ -170,10 +185,12 @@ class PolicyUpdater:
 
     def _score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         out = None
-        for unit in self.plan(tensors, list(range(len(tensors.prompt_ids)))):
-            prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
+        rows = list(range(len(tensors.prompt_ids)))
+        opening = self.opening_forward(model, tensors, rows)
+        for unit in self.plan(tensors, rows):
+            prefix = self._prefix(model, unit, opening) if len(unit.micro_batches) > 1 else None
             for index in unit.micro_batches:
-                lp, _ = self.log_probs(model, tensors, index, prefix=prefix, unit=unit)
+                lp, _ = self.log_probs(model, tensors, index, prefix=prefix, unit=unit, opening=opening)
                 if out is None:
                     out = lp.new_zeros(tensors.loss_mask.shape)
                 out[index] = lp
@@ -225,15 +242,19 @@ class PolicyUpdater:
                 mini_mask = tensors.loss_mask[mini]
                 optimizer.zero_grad(set_to_none=True)
                 micro_metrics: dict[str, float] = defaultdict(float)
+                # the opening all prompts share runs once: every micro-batch backpropagates into
+                # its leaves, then the opening once, after all of them (likewise a group's prompt)
+                opening = self.opening_forward(model, tensors, mini)
+                opened = opening.detached() if opening is not None else None
                 for unit in self.plan(tensors, mini):
                     # a group split over several micro-batches runs its prompt once: the
                     # micro-batches backpropagate into the prefix's leaves, then the prefix once
-                    prefix = self._prefix(model, unit) if len(unit.micro_batches) > 1 else None
+                    prefix = self._prefix(model, unit, opened) if len(unit.micro_batches) > 1 else None
                     leaves = prefix.detached() if prefix is not None else None
                     for micro in unit.micro_batches:
                         weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
                         token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
-                        loss, m = self._micro_loss(model, tensors, micro, leaves, unit)
+                        loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened)
                         if weight > 0:
                             if cfg.update_malloc_trim:  # freed activations' pages, see allocator.py
                                 release_free_memory()
@@ -243,6 +264,9 @@ class PolicyUpdater:
                     if prefix is not None:
                         prefix.backward_from(leaves)
                         del prefix, leaves
+                if opening is not None:
+                    opening.backward_from(opened)
+                    del opening, opened
                 grad_norm = self._clip(params)
                 finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
                 if finite or not self.skip_nonfinite:
@@ -269,11 +293,11 @@ class PolicyUpdater:
         grads = [p.grad.norm() for p in params if p.grad is not None]
         return float(torch.stack(grads).norm()) if grads else 0.0
 
-    def _micro_loss(self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None):
+    def _micro_loss(self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None):
         cfg = self.cfg
         want_entropy = cfg.entropy_coef != 0
         log_probs, entropy = self.log_probs(
-            model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit
+            model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit, opening=opening
         )
         loss_mask = tensors.loss_mask[micro]
         old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()
