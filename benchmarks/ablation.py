@@ -157,7 +157,7 @@ def run_child(args) -> dict:
     import torch
 
     from grouprl.config import ActorConfig, ModelConfig, OptimConfig
-    from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+    from grouprl.rollout.engines.hf import HFEngine, SamplingParams
     from grouprl.trainer import logprobs
     from grouprl.trainer.models import (
         load_causal_lm,
@@ -183,9 +183,9 @@ def run_child(args) -> dict:
         if v.get("plain_decode"):
             import contextlib
 
-            from grouprl.rollout import hf_engine
+            from grouprl.rollout.engines import hf as hf_engine
 
-            hf_engine.small_batch_linear = lambda model: contextlib.nullcontext()
+            hf_engine.cpu.fast_decode = lambda model: contextlib.nullcontext()
             hf_engine._reserve_room = lambda cache, room: None
         engine = HFEngine(model, tokenizer, share_prompt_prefill=v.get("share_prompt_prefill", True))
         params = SamplingParams(max_new_tokens=args.response_tokens, temperature=0.7)

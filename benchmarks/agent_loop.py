@@ -27,7 +27,7 @@ from grouprl.config import AgentConfig, ModelConfig
 from grouprl.data.sample import Sample
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.answer import AnswerResult
-from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.engines.hf import HFEngine, SamplingParams
 from grouprl.rollout.tools.base import Observation
 
 QUESTIONS = [

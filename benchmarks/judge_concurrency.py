@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/judge_concurrency.py [--calls 512 --latency 0.2 --cap 50 --sequential 20]
 
-The fake OpenAI-compatible judge (grouprl.rewards.judges.fake_server) runs in a separate process,
+The fake OpenAI-compatible judge (tests/rewards/judges/fake_server.py) runs in a separate process,
 so its CPU time does not compete with the client's under one interpreter lock. The client is the
 full `JudgeClient` path a training run uses (prompt rendering, HTTP, parsing, judge.jsonl off,
 cache off so every call is a request). Every call has a distinct prompt.
@@ -27,9 +27,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from grouprl.config import JudgeConfig
 from grouprl.rewards.judges import JudgeClient, JudgeRequest
+
+FAKE_JUDGE = Path(__file__).resolve().parents[1] / "tests" / "rewards" / "judges" / "fake_server.py"
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,7 +47,7 @@ def parse_args() -> argparse.Namespace:
 
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "grouprl.rewards.judges.fake_server", "--latency", str(latency)],
+        [sys.executable, str(FAKE_JUDGE), "--latency", str(latency)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -37,9 +37,11 @@ from pathlib import Path
 
 import grouprl
 from grouprl.config import load_config
-from grouprl.rollout.hf_engine import Generation
+from grouprl.rollout.engines import Generation
 from grouprl.rollout.tools.base import Observation
 from grouprl.trainer.trainer import Trainer
+
+FAKE_JUDGE = Path(__file__).resolve().parents[1] / "tests" / "rewards" / "judges" / "fake_server.py"
 
 DEFAULT_RECIPE = Path(grouprl.__file__).parent / "configs" / "default.yaml"
 
@@ -145,7 +147,7 @@ def main() -> None:
     if args.quick:
         args.steps = 1
     server = subprocess.Popen(
-        [sys.executable, "-m", "grouprl.rewards.judges.fake_server", "--latency", str(args.latency)],
+        [sys.executable, str(FAKE_JUDGE), "--latency", str(args.latency)],
         stdout=subprocess.PIPE,
         text=True,
     )

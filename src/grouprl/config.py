@@ -93,6 +93,8 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: Literal["hf"] = "hf"
+    """Rollout engine: hf = the built-in decode loop over the trainer's own model (CPU and GPU)."""
     n_agent: int = 8
     """Samples per prompt; one group per prompt (verl: actor_rollout_ref.rollout.n_agent)."""
     temperature: float = 1.0
@@ -256,6 +258,31 @@ class JudgeConfig:
     batch_size: int = 8
     """local backend: most prompts generated together in one batch."""
 
+    def __post_init__(self) -> None:
+        """Settings no type check catches; one-line ConfigErrors."""
+        where = f"judge {self.name!r}"
+        if not self.fields:
+            raise ConfigError(f"{where}: `fields` must name at least one score field")
+        for name, weight in self.fields.items():
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+                raise ConfigError(f"{where}: field weight of {name!r} must be a number >= 0, got {weight!r}")
+        if sum(self.fields.values()) <= 0:
+            raise ConfigError(f"{where}: field weights must not all be 0")
+        checks = [
+            (self.scale > 0, "scale must be > 0"),
+            (self.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1"),
+            (self.timeout_s > 0, "timeout_s must be > 0"),
+            (self.max_retries >= 0, "max_retries must be >= 0"),
+            (self.backoff_base_s >= 0 and self.backoff_max_s >= 0, "backoff_base_s and backoff_max_s must be >= 0"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.image_max_pixels >= 1, "image_max_pixels must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"{where}: {message}")
+
 
 @dataclass
 class RewardConfig:
@@ -274,6 +301,58 @@ class RewardConfig:
     """Score each group as soon as its n samples finish, while the other groups still generate."""
     judges: list[JudgeConfig] = field(default_factory=list)
     """LLM/VLM judges; a component uses one with function `judge:<name>`."""
+
+    def __post_init__(self) -> None:
+        """Judge names, `judge:<name>` references and gates (no cycle) are consistent."""
+        judges = [j.name for j in self.judges]
+        if len(set(judges)) != len(judges) or not all(judges):
+            raise ConfigError(f"config key 'reward.judges' needs unique, non-empty names, got {judges}")
+        components = {c.name: c for c in self.components}
+        for component in self.components:
+            name = judge_name(component.function or component.name)
+            if name is not None and name not in judges:
+                raise ConfigError(
+                    f"reward component {component.name!r} uses judge {name!r}, but reward.judges defines "
+                    f"{', '.join(judges) or 'none'}"
+                )
+            if component.gate and component.gate not in components:
+                raise ConfigError(
+                    f"reward component {component.name!r}: gate {component.gate!r} is not a component "
+                    f"({', '.join(components)})"
+                )
+        stages_of({c.name: c.gate for c in self.components})
+
+
+JUDGE_PREFIX = "judge:"
+
+
+def judge_name(function: str) -> str | None:
+    """ "judge:vlm" -> "vlm"; None for any other reward spec."""
+    function = function.strip()
+    return function[len(JUDGE_PREFIX) :].strip() if function.startswith(JUDGE_PREFIX) else None
+
+
+def stages_of(gates: dict[str, str]) -> list[list[str]]:
+    """`gates` maps component -> its gate ("" = none): component names in stages, stage 0
+    ungated, stage k gated by stage k-1 or earlier. Raises ConfigError on a cycle."""
+    depth: dict[str, int] = {}
+
+    def resolve(name: str, chain: tuple[str, ...]) -> int:
+        if name in depth:
+            return depth[name]
+        if name in chain:
+            cycle = " -> ".join((*chain[chain.index(name) :], name))
+            raise ConfigError(f"reward component gates form a cycle: {cycle}")
+        gate = gates.get(name, "")
+        depth[name] = 0 if not gate else resolve(gate, (*chain, name)) + 1
+        return depth[name]
+
+    for name in gates:
+        resolve(name, ())
+    stages: list[list[str]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
+    for name in gates:  # keep config order inside a stage
+        stages[depth[name]].append(name)
+    return stages
 
 
 @dataclass
@@ -346,10 +425,10 @@ class ActorConfig:
     """With shared_prefix: the opening all of a mini-batch's prompts share (system prompt, example
     turns; 16 tokens or more) runs once for all its groups, their prompts' rest on top of it."""
     lean_mlp: bool = True
-    """Gated MLPs keep gate(x) and up(x) for backward and recompute the activation and product
+    """On a CPU, gated MLPs keep gate(x) and up(x) for backward and recompute the activation and product
     (two [tokens, intermediate] tensors per layer less; same numbers)."""
     lean_norm: bool = True
-    """RMSNorms keep their input and reciprocal RMS for backward and recompute the normalised
+    """On a CPU, RMSNorms keep their input and reciprocal RMS for backward and recompute the normalised
     input (one [tokens, hidden] tensor per norm less; same numbers)."""
     lean_attention: bool = True
     """On CPU, grouped-query attention runs on the unrepeated keys/values with one float mask per
@@ -883,9 +962,6 @@ def validate(cfg: Config) -> Config:
     need(bool(cfg.reward.components), "config key 'reward.components' must name at least one reward")
     names = [c.name for c in cfg.reward.components]
     need(len(set(names)) == len(names), f"config key 'reward.components' has duplicate names: {names}")
-    from grouprl.rewards.judges.checks import check_reward_config
-
-    check_reward_config(cfg.reward)  # judges, `judge:<name>` references and gates
     need(
         cfg.reward.val_metric in names or cfg.reward.val_metric == "reward",
         f"config key 'reward.val_metric' must be 'reward' or a component name ({', '.join(names)}), "

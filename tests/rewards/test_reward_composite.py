@@ -12,8 +12,8 @@ from grouprl.config import JudgeConfig, RewardComponentConfig, RewardConfig, loa
 from grouprl.data.sample import Sample
 from grouprl.errors import ConfigError
 from grouprl.rewards import CompositeReward, RewardComponent, groups_to_drop
-from grouprl.rewards.judges.fake_server import FakeJudgeServer, Reply
 from grouprl.rollout.trajectory import Trajectory
+from rewards.judges.fake_server import FakeJudgeServer, Reply
 
 GOOD = "<think>7 + 5 = 12</think>\n<answer>12</answer>"
 

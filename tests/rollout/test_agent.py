@@ -23,7 +23,7 @@ from grouprl.rewards.retrieval import final_answer
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import LAST_TURN, PROTOCOL, PROTOCOL_SELF_ANSWER, correction
 from grouprl.rollout.answer import AnswerResult
-from grouprl.rollout.hf_engine import Generation, SamplingParams
+from grouprl.rollout.engines import Generation, ReprefillSession, SamplingParams
 from grouprl.rollout.tools.base import Observation
 
 PARAMS = SamplingParams(max_new_tokens=60, temperature=1.0)
@@ -53,8 +53,8 @@ class ScriptedEngine:
     def generate(self, prompts, n, params, generator=None):
         return [self._one(p, params) for p in prompts for _ in range(n)]
 
-    def open_session(self, prompts, n):
-        return ScriptedSession(self, prompts, n)
+    def open_session(self, prompts, n, reuse_cache=True):
+        return ScriptedSession(self, prompts, n) if reuse_cache else ReprefillSession(self, prompts, n)
 
 
 class ScriptedSession:
@@ -394,7 +394,7 @@ def test_finished_rows_leave_the_batch_and_release_their_cache():
     loop = make_loop(tokenizer, policy, answers=FakeAnswers())
     sessions = []
     open_session = loop.engine.open_session
-    loop.engine.open_session = lambda p, n: sessions.append(open_session(p, n)) or sessions[-1]
+    loop.engine.open_session = lambda p, n, reuse_cache=True: sessions.append(open_session(p, n, reuse_cache)) or sessions[-1]
     trajectories = loop.run(samples(2), loop.encode_prompts(samples(2)), 2, PARAMS)
     assert [len(t.turns) for t in trajectories] == [2, 2, 4, 4]
     assert sessions[0].released == {0, 1, 2, 3}

@@ -24,7 +24,7 @@ from grouprl.rollout.answer import (
     build_answer_generator,
     format_answer,
 )
-from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.engines.hf import HFEngine, SamplingParams
 from helpers import tiny_model_and_tokenizer
 
 KEY_ENV, KEY = "GRPL_TEST_ANSWER_KEY", "sk-test-0123456789"

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from grouprl.config import AgentConfig
 from grouprl.data.sample import Sample
 from grouprl.rollout.agent import AgentLoop
-from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.engines.hf import HFEngine, SamplingParams
 from helpers import random_prompts, tiny_config
 
 QUESTIONS = ["Who wrote it", "Name the river", "2+2"]

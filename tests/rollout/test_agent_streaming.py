@@ -79,8 +79,10 @@ class CountingEngine(ScriptedEngine):
         self._turn_done()
         return out
 
-    def open_session(self, prompts, n):
-        session = super().open_session(prompts, n)
+    def open_session(self, prompts, n, reuse_cache=True):
+        session = super().open_session(prompts, n, reuse_cache)
+        if not reuse_cache:  # its turns go through `generate`, counted there
+            return session
         generate = session.generate
 
         def counted(*args, **kwargs):

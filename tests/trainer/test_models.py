@@ -190,7 +190,7 @@ def test_lora_named_targets(model_dir):
 def test_builtin_smollm2_loads_and_generates():
     """Converts the package's GGUF once (about 30 s) into ~/.cache/grouprl; cheap afterwards."""
     from grouprl.data import encode_prompt
-    from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+    from grouprl.rollout.engines.hf import HFEngine, SamplingParams
 
     cfg = ModelConfig()  # builtin:smollm2-135m-instruct
     path = resolve_model_path(cfg)

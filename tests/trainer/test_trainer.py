@@ -343,3 +343,24 @@ def test_ref_refresh_copies_the_policy(tmp_path, model_dir):
     assert same()
     m3, _ = trainer.train_step()
     assert m3["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # refreshed reference == policy
+
+
+def test_the_engine_hears_of_every_weight_change(tmp_path, model_dir, monkeypatch):
+    """After each update (before the next rollout) and after loading a checkpoint, the engine is
+    told the policy's weights changed, with the weights as they then are."""
+    from grouprl.rollout.engines.hf import HFEngine
+
+    seen = []
+    monkeypatch.setattr(
+        HFEngine, "weights_updated", lambda self, model: seen.append(trainable(model)["model.norm.weight"])
+    )
+    trainer = make_trainer(tmp_path, model_dir, "trainer.total_steps=2", "trainer.val_before_train=false")
+    assert seen == []  # a fresh start loads nothing
+    before = trainable(trainer.model)["model.norm.weight"]
+    trainer.fit()
+    assert len(seen) == 2 and not torch.equal(seen[0], before)
+    torch.testing.assert_close(seen[-1], trainable(trainer.model)["model.norm.weight"], rtol=0, atol=0)
+
+    resumed = make_trainer(tmp_path, model_dir, "trainer.total_steps=3", "trainer.val_before_train=false")
+    assert len(seen) == 3 and resumed.step == 2
+    torch.testing.assert_close(seen[-1], seen[1], rtol=0, atol=0)

@@ -81,7 +81,7 @@ def test_streaming_agent_rewards_equal_batch_rewards(tmp_path, model_dir, index_
     """reward.streaming hands each group to the scorer from inside the agent loop (policy answers,
     a judge over HTTP); the step's trajectories and rewards equal those of a run that scores the
     whole batch after the loop, with the same seed."""
-    from grouprl.rewards.judges.fake_server import FakeJudgeServer, Reply
+    from rewards.judges.fake_server import FakeJudgeServer, Reply
 
     def behaviour(call):  # a judge grade that depends on the response text
         return Reply(content=json.dumps({"correctness": len(call.user_text) % 10}))

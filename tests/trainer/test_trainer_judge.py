@@ -7,8 +7,8 @@ import pytest
 from tiny import LOWER_FRACTION, tiny_model_dir, write_reward, write_run_config
 
 from grouprl.config import load_config
-from grouprl.rewards.judges.fake_server import FakeJudgeServer, Reply
 from grouprl.trainer.trainer import Trainer
+from rewards.judges.fake_server import FakeJudgeServer, Reply
 
 KEY = "sk-test-TRAINER-0123456789"
 

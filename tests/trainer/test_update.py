@@ -469,11 +469,11 @@ def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32():
 
 @pytest.mark.parametrize("trim", [True, False])
 def test_free_heap_pages_are_released_before_each_backward_and_inside_it_when_asked(model, tensors, monkeypatch, trim):
-    import grouprl.trainer.allocator as allocator_module
-    import grouprl.trainer.update as update_module
+    import grouprl.cpu as cpu_module
+    import grouprl.cpu.allocator as allocator_module
 
     events = []
-    monkeypatch.setattr(update_module, "release_free_memory", lambda: events.append("trim") or True)
+    monkeypatch.setattr(cpu_module, "release_free_memory", lambda: events.append("trim") or True)
     monkeypatch.setattr(allocator_module, "release_free_memory", lambda: events.append("layer") or True)
     monkeypatch.setattr(allocator_module, "_glibc", lambda: object())  # as on glibc, also elsewhere
     real_backward = torch.Tensor.backward

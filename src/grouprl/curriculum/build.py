@@ -16,58 +16,24 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from grouprl.curriculum.buckets import BUCKETS, assign_buckets, check_thresholds
+from grouprl.curriculum.build_state import Build, BuildOptions
 from grouprl.curriculum.fields import UidExtractor, field_getter
 from grouprl.curriculum.histogram import draw_histogram
-from grouprl.curriculum.join import AUTO, Join, join, read_dataset
-from grouprl.curriculum.logs import LogFields, LogScores, read_logs
+from grouprl.curriculum.join import Join, join, read_dataset
+from grouprl.curriculum.logs import LogScores, read_logs
 from grouprl.curriculum.order import ORDERS, curriculum_order
 from grouprl.curriculum.output import atomic_folder, check_target, with_curriculum
 from grouprl.curriculum.report import findings, render_report
-from grouprl.curriculum.stats import UidStats, pearson, uid_stats
+from grouprl.curriculum.stats import pearson, uid_stats
 from grouprl.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BuildOptions:
-    logs: list[str]
-    dataset: list[str]
-    out: str
-    fields: LogFields = field(default_factory=LogFields)
-    dataset_uid_field: str = AUTO
-    easy: float = 0.7
-    hard: float = 0.1
-    rule: str = "mean"
-    order: str = "easy-to-hard"
-    batch_size: int = 8
-    """Prompts per training step: the `spread` order's strata and the report's batch checks."""
-    seed: int = 0
-    allow_empty_edge: bool = False
-    """Write the folder even when no prompt lands in the edge bucket (otherwise an error)."""
-
-
-@dataclass
-class Build:
-    """Everything the report and the summary are computed from."""
-
-    options: BuildOptions
-    logs: LogScores
-    join: Join
-    matched: UidStats  # one entry per matched uid, in dataset row order
-    bucket_of: np.ndarray  # int8 [M]
-    ordered: dict[str, np.ndarray]  # bucket -> positions into `matched`, in curriculum order
-    correlation: float | None
-    dataset_rows: int
-    typical_n: int
-    agent_repeats: int | None  # records repeating a (uid, agent) pair; None without --agent-field
 
 
 def build_curriculum(options: BuildOptions) -> dict:

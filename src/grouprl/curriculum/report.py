@@ -5,15 +5,12 @@ proxy score, agent counts, bad log lines)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from grouprl.curriculum.buckets import BUCKETS
+from grouprl.curriculum.build_state import Build
 from grouprl.curriculum.order import ORDERS
-
-if TYPE_CHECKING:
-    from grouprl.curriculum.build import Build
 
 FIRST_BATCHES = 10  # batches of the edge order looked at for zero-advantage prompts
 LISTED = 200  # excluded dataset rows listed in the report (all are in excluded.txt)

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grouprl.config import RewardConfig
+from grouprl.config import RewardConfig, judge_name, stages_of
 from grouprl.errors import ConfigError
 from grouprl.rewards.judges.base import JudgeResult
-from grouprl.rewards.judges.checks import judge_name, stages_of
 from grouprl.rewards.judges.component import JudgeComponent
 from grouprl.rewards.loader import load_reward_function
 from grouprl.rollout.trajectory import Trajectory

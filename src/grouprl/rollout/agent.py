@@ -24,8 +24,9 @@ policy answered itself), or "length" when it never finished (out of turns or of
 `max_response_tokens`; `truncated` is then true, the turn record says which, and
 `on_unfinished` decides whether the frozen generator still answers).
 
-With `reuse_kv_cache` every trajectory keeps its KV cache between turns (hf_engine.KVSession)
-and a turn prefills only the observation; without it each turn re-prefills the conversation.
+With `reuse_kv_cache` every trajectory keeps its KV cache between turns (the hf engine's
+KVSession) and a turn prefills only the observation; without it each turn re-prefills the
+conversation. The loop talks to the engine interface only (rollout/engines/base.py).
 
 Trajectories that end in a turn are answered together at the end of that turn (a remote
 generator on a worker thread, its answers written when they have arrived, while later turns
@@ -57,7 +58,7 @@ from grouprl.rollout.answer import (
     build_answer_generator,
 )
 from grouprl.rollout.chat import ChatRenderer
-from grouprl.rollout.hf_engine import Generation, HFEngine, SamplingParams
+from grouprl.rollout.engines.base import Generation, RolloutEngine, SamplingParams
 from grouprl.rollout.tools.base import AgentState, Observation, Tool
 from grouprl.rollout.trajectory import Trajectory
 
@@ -88,14 +89,14 @@ class _Rollout:
 class AgentLoop:
     """Runs the agent protocol over a batch of prompts (see the module docstring).
 
-    engine: the policy's HFEngine. tools: action tag -> Tool (e.g. {"search": ..., "bbox": ...}).
+    engine: the policy's rollout engine. tools: action tag -> Tool (e.g. {"search": ..., "bbox": ...}).
     answer_generator: writes <answer> after <search_complete>; None = the one `cfg.answer_generator`
     names (built here). With `answer_generator: none` the policy answers itself.
     """
 
     def __init__(
         self,
-        engine: HFEngine,
+        engine: RolloutEngine,
         tokenizer: Any,
         tools: dict[str, Tool],
         cfg: AgentConfig,
@@ -144,7 +145,7 @@ class AgentLoop:
             for j in range(n)
         ]
         turn_params = replace(params, stop=list(dict.fromkeys([*params.stop, *STOP_STRINGS])))
-        session = self._session(prompts, n)
+        session = self.engine.open_session(prompts, n, reuse_cache=self.cfg.reuse_kv_cache)
         prefill_before = self.engine.prefill_tokens
         active = list(range(len(rollouts)))
         new_tokens: list[list[int]] = [[] for _ in rollouts]  # appended since the row's last turn
@@ -196,11 +197,6 @@ class AgentLoop:
         return [r.trajectory for r in rollouts]
 
     # ------------------------------------------------------------------ one turn
-    def _session(self, prompts: list[list[int]], n: int):
-        if self.cfg.reuse_kv_cache:
-            return self.engine.open_session(prompts, n)
-        return _Reprefill(self.engine, prompts, n)
-
     async def _act(self, r: _Rollout, action: Action) -> Observation | None:
         """Carry out a turn's action: an observation to show next, or None when it ended the trajectory."""
         state = r.state
@@ -333,30 +329,6 @@ class _Groups:
         if self.on_group_done is not None:
             for g in sorted(completed):
                 self.on_group_done(g, [r.trajectory for r in self.rollouts[g * self.n : (g + 1) * self.n]])
-
-
-class _Reprefill:
-    """Turn generation without KV reuse: every turn feeds each conversation whole."""
-
-    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int):
-        self.engine, self.prompts, self.n = engine, prompts, n
-        self.contexts = [list(prompts[k // n]) for k in range(len(prompts) * n)]
-        self.started = False
-
-    def generate(self, rows, new_tokens, params, generator) -> list[Generation]:
-        for k, ids in zip(rows, new_tokens):
-            self.contexts[k].extend(ids)
-        if not self.started and rows == list(range(len(self.contexts))):  # one prefill per group
-            generations = self.engine.generate(self.prompts, self.n, params, generator)
-        else:
-            generations = self.engine.generate([self.contexts[k] for k in rows], 1, params, generator)
-        self.started = True
-        for k, g in zip(rows, generations):
-            self.contexts[k].extend(g.token_ids)
-        return generations
-
-    def release(self, row: int) -> None:
-        self.contexts[row] = []
 
 
 def _turn_record(turn: int, g: Generation, action: Action, obs: Observation | None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Frozen answer generators: after <search_complete> (or at max turns) a model that is not
 trained writes <answer>...</answer> from the question and the evidence the agent gathered.
 
-- `LocalAnswerGenerator`: a transformers model run by an `HFEngine`: the policy itself (no
+- `LocalAnswerGenerator`: a transformers model run by a rollout engine: the policy itself (no
   gradient: generation runs under no_grad) or a separate model loaded with `from_pretrained`.
 - `OpenAIAnswerGenerator`: an OpenAI-compatible chat server over httpx, with a timeout; every
   failure (unreachable, timeout, HTTP error, a reply that is not JSON or has no content)
@@ -24,7 +24,7 @@ import httpx
 from grouprl.data.prompts import encode_prompt
 from grouprl.errors import ConfigError, ModelLoadError
 from grouprl.rollout.agent_prompts import answer_messages
-from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.engines.base import RolloutEngine, SamplingParams
 
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 
@@ -62,7 +62,7 @@ def format_answer(raw: str) -> str:
 class LocalAnswerGenerator:
     """Greedy answers from a transformers model, all requests of a call in one batch."""
 
-    def __init__(self, engine: HFEngine, max_tokens: int = 256):
+    def __init__(self, engine: RolloutEngine, max_tokens: int = 256):
         self.engine = engine
         self.max_tokens = max_tokens
 
@@ -71,6 +71,8 @@ class LocalAnswerGenerator:
         cls, path: str, device: Any, dtype: Any, max_tokens: int = 256
     ) -> LocalAnswerGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from grouprl.rollout.engines.hf import HFEngine
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -159,7 +161,7 @@ class OpenAIAnswerGenerator:
         return AnswerResult(format_answer(content))
 
 
-def build_answer_generator(cfg: Any, policy_engine: HFEngine) -> AnswerGenerator | None:
+def build_answer_generator(cfg: Any, policy_engine: RolloutEngine) -> AnswerGenerator | None:
     """The generator `cfg` (an AgentConfig) names; None when the policy answers itself."""
     name = cfg.answer_generator
     if name == "none":

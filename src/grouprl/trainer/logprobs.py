@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grouprl.rollout.hf_engine import left_pad
+from grouprl.rollout.engines.hf import left_pad
 
 
 @dataclass

@@ -32,7 +32,7 @@ from grouprl.rewards.composite import groups_to_drop
 from grouprl.rewards.streaming import StreamingRewards, batch_summary
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
-from grouprl.rollout.hf_engine import HFEngine, SamplingParams
+from grouprl.rollout.engines import SamplingParams, build_engine
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -156,12 +156,7 @@ class Trainer:
             self.optimizer, cfg.actor.optim, self.total_steps * mini_batches * cfg.actor.ppo_epochs
         )
         self.ref_model = self._make_reference()
-        self.engine = HFEngine(
-            self.model,
-            self.tokenizer,
-            share_prompt_prefill=cfg.rollout.share_prompt_prefill,
-            max_batch=cfg.rollout.gen_batch_size,
-        )
+        self.engine = build_engine(cfg.rollout, self.model, self.tokenizer)
         self.agent = (
             AgentLoop(self.engine, self.tokenizer, build_tools(cfg.agent), cfg.agent)
             if cfg.agent.enabled
@@ -270,6 +265,7 @@ class Trainer:
         self.history = state["history"]
         self.best_metric = state["best_metric"]
         self.counters = state["counters"]
+        self.engine.weights_updated(self.model)
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
@@ -489,6 +485,8 @@ class Trainer:
             )
         )
         t_update = time.perf_counter()
+        self.engine.weights_updated(self.model)  # the next rollout samples from the new weights
+        metrics["time/weight_sync"] = time.perf_counter() - t_update
         self.step += 1
         self._updating = False
         if (

@@ -16,13 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from grouprl import cpu
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
-from grouprl.trainer.allocator import mapped_large_blocks, release_free_memory, trim_during_backward
-from grouprl.trainer.lean_attention import lean_attention
-from grouprl.trainer.lean_mlp import lean_mlp
-from grouprl.trainer.lean_norm import lean_norm
 from grouprl.trainer.logprobs import (
     Prefix,
     ResponseBatch,
@@ -180,7 +177,7 @@ class PolicyUpdater:
     def score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         """Log-probs of every row without gradient (old or reference policy), [N, R], in the
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
-        with lean_attention(model, enabled=self.cfg.lean_attention):
+        with cpu.lean_scoring(model, self.cfg):
             return self._score_all(model, tensors)
 
     def _score_all(self, model, tensors: StepTensors) -> torch.Tensor:
@@ -205,25 +202,13 @@ class PolicyUpdater:
     def update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
     ) -> dict[str, float]:
-        with self.lean_layers(model):
-            return self._update(model, optimizer, scheduler, tensors, num_prompts, params)
-
-    @contextlib.contextmanager
-    def lean_layers(self, model):
-        """Layers that keep fewer activations for backward, same numbers (trainer/lean_*.py), and
-        freed activation memory given back to the OS (trainer/allocator.py)."""
-        with (
-            lean_mlp(model, enabled=self.cfg.lean_mlp),
-            lean_norm(model, enabled=self.cfg.lean_norm),
-            lean_attention(model, enabled=self.cfg.lean_attention),
-            mapped_large_blocks(self.cfg.update_mmap_threshold_kb << 10),
-            trim_during_backward(model, self.cfg.update_trim_every_layers if self.cfg.update_malloc_trim else 0),
-            head_grad_into_param(),
-        ):
-            yield
+        # the head's weight gradient goes straight into .grad (logprobs.py); on a CPU, the layers
+        # keep fewer activations and freed memory goes back to the OS (grouprl.cpu)
+        with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
+            return self._update(model, optimizer, scheduler, tensors, num_prompts, params, before_backward)
 
     def _update(
-        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
+        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params, before_backward
     ) -> dict[str, float]:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
@@ -256,8 +241,7 @@ class PolicyUpdater:
                         token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
                         loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened)
                         if weight > 0:
-                            if cfg.update_malloc_trim:  # freed activations' pages, see allocator.py
-                                release_free_memory()
+                            before_backward()
                             (loss * weight).backward()
                         for k, v in m.items():
                             micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from grouprl.config import JudgeConfig
-from grouprl.rewards.judges.fake_server import FakeJudgeServer
+from rewards.judges.fake_server import FakeJudgeServer
 
 
 @pytest.fixture

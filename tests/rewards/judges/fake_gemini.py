@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from grouprl.rewards.judges.fake_server import default_judge_text
+from rewards.judges.fake_server import default_judge_text
 
 _PATH = re.compile(r"^/(?P<version>[^/]+)/models/(?P<model>[^/:]+):generateContent$")
 # google.rpc.Code names Gemini puts in error.status

@@ -15,8 +15,8 @@ import pytest
 from grouprl.config import to_dict
 from grouprl.errors import ConfigError
 from grouprl.rewards.judges import Completion, JudgeClient, JudgeRequest
-from grouprl.rewards.judges.fake_server import Reply
 from grouprl.rewards.judges.openai_compat import OpenAICompatBackend
+from rewards.judges.fake_server import Reply
 
 
 def requests_for(grades, prefix="q"):

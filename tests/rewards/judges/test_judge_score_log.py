@@ -14,7 +14,7 @@ import pytest
 
 from grouprl.errors import ConfigError, DataError, UserError
 from grouprl.rewards.judges.cli import add_parser
-from grouprl.rewards.judges.fake_server import Reply
+from rewards.judges.fake_server import Reply
 
 RUNNER = (
     "import argparse, sys\n"

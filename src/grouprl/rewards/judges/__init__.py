@@ -9,8 +9,9 @@ In a run, a component with `function: "judge:<name>"` uses `reward.judges[<name>
 (see `component.py`); `grouprl judge score` re-scores a rollouts.jsonl (`score_log.py`).
 Files: base (types, protocols), parsing, prompt + prompts/ (templates), images, cache (SQLite),
 log (judge.jsonl), client (concurrency, retries, cache), openai_compat / gemini / local_hf
-(backends), component, checks (config), score_log + cli (the command), fake_server (an
-OpenAI-compatible fake for tests and benchmarks).
+(backends), component, score_log + cli (the command). Their settings are checked in
+`grouprl.config` (JudgeConfig, RewardConfig); an OpenAI-compatible fake server for tests and
+benchmarks lives in tests/rewards/judges/fake_server.py.
 """
 
 from grouprl.rewards.judges.base import Completion, JudgeBackendError, JudgePrompt, JudgeRequest, JudgeResult

@@ -100,7 +100,6 @@ class JudgeClient:
     def __init__(
         self, cfg: JudgeConfig, backend: Backend | None = None, *, log_path: str | Path | None = None
     ):
-        check_judge_config(cfg)
         self.cfg = cfg
         self.name = cfg.name
         self.template = load_template(cfg.prompt_template)
@@ -244,28 +243,3 @@ class JudgeClient:
             completion_tokens=completion.completion_tokens,
         )
 
-
-def check_judge_config(cfg: JudgeConfig) -> None:
-    """Settings no type check catches; one-line ConfigErrors."""
-    where = f"judge {cfg.name!r}"
-    if not cfg.fields:
-        raise ConfigError(f"{where}: `fields` must name at least one score field")
-    for name, weight in cfg.fields.items():
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
-            raise ConfigError(f"{where}: field weight of {name!r} must be a number >= 0, got {weight!r}")
-    if sum(cfg.fields.values()) <= 0:
-        raise ConfigError(f"{where}: field weights must not all be 0")
-    checks = [
-        (cfg.scale > 0, "scale must be > 0"),
-        (cfg.max_concurrent_requests >= 1, "max_concurrent_requests must be >= 1"),
-        (cfg.timeout_s > 0, "timeout_s must be > 0"),
-        (cfg.max_retries >= 0, "max_retries must be >= 0"),
-        (cfg.backoff_base_s >= 0 and cfg.backoff_max_s >= 0, "backoff_base_s and backoff_max_s must be >= 0"),
-        (cfg.max_tokens >= 1, "max_tokens must be >= 1"),
-        (cfg.image_max_pixels >= 1, "image_max_pixels must be >= 1"),
-        (cfg.batch_size >= 1, "batch_size must be >= 1"),
-        (cfg.temperature >= 0, "temperature must be >= 0"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(f"{where}: {message}")

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from grouprl.module_patch import forward_replaced
+from grouprl.cpu.module_patch import forward_replaced
 
 MAX_ROWS = 64  # above this the two forms ran alike everywhere measured; not worth timing
 TRIALS = 2  # timed calls of each form before the choice is fixed (the faster of each form's best)

@@ -15,7 +15,7 @@ code, optional Retry-After), "hang" (no answer until the client gives up), "trun
 Without a behaviour the judge answers `{"correctness": N}` where N is the digit after the last
 "GRADE:" in the prompt (0 if none), after `latency` seconds.
 
-`python -m grouprl.rewards.judges.fake_server --latency 0.2` serves in the foreground and
+`python tests/rewards/judges/fake_server.py --latency 0.2` serves in the foreground and
 prints its base URL (for a benchmark client in another process); `GET /stats[?reset=1]` returns
 (and resets) its request count and highest in-flight count, with the CPU seconds its process
 has used (`cpu_s`, for a benchmark to tell a busy server from a busy client).

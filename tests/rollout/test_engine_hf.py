@@ -7,7 +7,7 @@ any gap between the top two logits: greedy outputs must then match token for tok
 import pytest
 import torch
 
-from grouprl.rollout.hf_engine import HFEngine, SamplingParams, sample_next
+from grouprl.rollout.engines.hf import HFEngine, SamplingParams, sample_next
 from helpers import byte_level_tokenizer, random_prompts, tiny_config, tiny_model_and_tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -237,7 +237,7 @@ class MultinomialSpy:
     """Records the probabilities sample_next hands to its sampler."""
 
     def __init__(self, monkeypatch):
-        from grouprl.rollout import hf_engine
+        from grouprl.rollout.engines import hf as hf_engine
 
         self.probs = []
         real = hf_engine._inverse_cdf_sample
@@ -251,7 +251,7 @@ class MultinomialSpy:
 
 def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
     """Zero-probability tokens first, in the middle and last are never drawn; frequencies match."""
-    from grouprl.rollout.hf_engine import _inverse_cdf_sample
+    from grouprl.rollout.engines.hf import _inverse_cdf_sample
 
     probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     draws = _inverse_cdf_sample(probs.repeat(20000, 1), torch.Generator().manual_seed(0)).view(20000, 2)
@@ -372,7 +372,7 @@ def _random_kv(batch, length, seed):
 def test_roomy_cache_layer_matches_concatenation_through_growth_selection_and_cropping():
     from transformers.cache_utils import DynamicLayer
 
-    from grouprl.rollout.hf_engine import _RoomyLayer
+    from grouprl.rollout.engines.hf import _RoomyLayer
 
     keys, values = _random_kv(3, 5, seed=0)
     plain = DynamicLayer()
@@ -402,7 +402,7 @@ def test_reserve_room_converts_full_attention_layers_only():
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    from grouprl.rollout.hf_engine import _reserve_room, _RoomyLayer
+    from grouprl.rollout.engines.hf import _reserve_room, _RoomyLayer
 
     cache = DynamicCache()
     cache.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=4), DynamicLayer()]
@@ -412,3 +412,24 @@ def test_reserve_room_converts_full_attention_layers_only():
     assert type(cache.layers[0]) is _RoomyLayer and cache.layers[0].get_seq_length() == 3
     assert type(cache.layers[1]) is DynamicSlidingWindowLayer  # its own update logic stays
     assert type(cache.layers[2]) is DynamicLayer  # empty: nothing to hold yet
+
+
+def test_the_config_builds_the_engine_and_both_session_kinds_continue_alike(model_and_tokenizer, prompts):
+    """`build_engine` gives the hf engine with the rollout settings; a session with KV reuse and
+    one that re-feeds whole conversations give the same greedy turns."""
+    from grouprl.config import RolloutConfig
+    from grouprl.rollout.engines import ReprefillSession, build_engine
+    from grouprl.rollout.engines.hf import KVSession
+
+    model, tokenizer = model_and_tokenizer
+    engine = build_engine(RolloutConfig(share_prompt_prefill=False, gen_batch_size=6), model, tokenizer)
+    assert isinstance(engine, HFEngine) and not engine.share_prompt_prefill and engine.max_batch == 6
+    reuse, whole = engine.open_session(prompts[:2], 2), engine.open_session(prompts[:2], 2, reuse_cache=False)
+    assert isinstance(reuse, KVSession) and isinstance(whole, ReprefillSession)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    turns = []
+    for session in (reuse, whole):
+        first = session.generate([0, 1, 2, 3], [[], [], [], []], params)
+        second = session.generate([1, 3], [[5, 6], [7]], params)
+        turns.append(([g.token_ids for g in first], [g.token_ids for g in second]))
+    assert turns[0] == turns[1]

@@ -4,7 +4,7 @@ numbers and gradients, keeps the keys, values and mask once, and switches back a
 import pytest
 import torch
 
-from grouprl.trainer.lean_attention import lean_attention
+from grouprl.cpu.lean_attention import lean_attention
 from grouprl.trainer.logprobs import ResponseBatch, response_log_probs
 from helpers import exact_float64_norms, random_prompts, saved_activation_bytes, tiny_model_and_tokenizer
 

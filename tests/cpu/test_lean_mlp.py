@@ -4,7 +4,7 @@ tensors per layer fewer are kept for backward, and nothing else changes."""
 import pytest
 import torch
 
-from grouprl.trainer.lean_mlp import lean_mlp
+from grouprl.cpu.lean_mlp import lean_mlp
 from helpers import (
     exact_float64_norms,
     saved_activation_bytes,

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from grouprl.trainer.lean_norm import lean_norm
+from grouprl.cpu.lean_norm import lean_norm
 from helpers import (
     exact_float64_norms,
     saved_activation_bytes,

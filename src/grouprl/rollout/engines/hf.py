@@ -1,4 +1,4 @@
-"""Batched sampling with a Hugging Face causal LM: KV cache, temperature / top-k / top-p,
+"""The built-in engine: batched sampling with a Hugging Face causal LM: KV cache, temperature / top-k / top-p,
 EOS and stop strings, continuing from any token prefix.
 
 A group's n samples share one prompt, so the prompt is prefilled once and its KV cache is
@@ -11,30 +11,12 @@ turns, so each turn prefills only the tokens appended since the last one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grouprl.rollout.small_matmul import small_batch_linear
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]  # generated tokens, EOS / stop string included
-    text: str  # decoded without special tokens
-    finish_reason: str  # "eos" | "stop" | "length"
+from grouprl import cpu
+from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession, SamplingParams
 
 
 def sample_next(
@@ -143,7 +125,8 @@ def _reserve_room(cache: DynamicCache, room: int) -> None:
 
 
 class HFEngine:
-    """RolloutEngine over a transformers model (works on CPU and GPU)."""
+    """RolloutEngine over the trainer's own transformers model (CPU and GPU): nothing to sync
+    after an update, the next rollout runs on the weights the update left."""
 
     def __init__(
         self,
@@ -191,7 +174,7 @@ class HFEngine:
         n: int,
         params: SamplingParams,
         generator: torch.Generator | None = None,
-        on_group_done: Callable[[int, list[Generation]], None] | None = None,
+        on_group_done: GroupDone | None = None,
     ) -> list[Generation]:
         """Sample n continuations of every prompt; output order is prompt-major
         (prompt 0 samples 0..n-1, prompt 1 ...). `on_group_done(i, generations)` is called as
@@ -290,9 +273,9 @@ class HFEngine:
 
     def _decode(self, cache, logits, attention_mask, next_pos, params, *args, **kwargs):
         """`_decode_steps` (same arguments) on a cache with room for `max_new_tokens` more tokens,
-        with the few-row products in their faster form (see small_matmul)."""
+        with the few-row products in their faster form on a CPU (see grouprl.cpu)."""
         _reserve_room(cache, params.max_new_tokens)
-        with small_batch_linear(self.model):
+        with cpu.fast_decode(self.model):
             return self._decode_steps(cache, logits, attention_mask, next_pos, params, *args, **kwargs)
 
     def _decode_steps(
@@ -365,9 +348,14 @@ class HFEngine:
             next_pos = next_pos + 1
         return tokens, finish
 
-    def open_session(self, prompts: list[list[int]], n: int) -> KVSession:
-        """A multi-turn session over the n samples of every prompt (rows prompt-major)."""
-        return KVSession(self, prompts, n)
+    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True):
+        """A multi-turn session over the n samples of every prompt (rows prompt-major): each row
+        keeps its KV cache between turns (`KVSession`), or, without `reuse_cache`, every turn
+        feeds the conversation whole."""
+        return KVSession(self, prompts, n) if reuse_cache else ReprefillSession(self, prompts, n)
+
+    def weights_updated(self, model) -> None:
+        """The engine runs `model` itself: its next rollout already uses the new weights."""
 
 
 class KVSession:

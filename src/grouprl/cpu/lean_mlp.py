@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grouprl.module_patch import forward_replaced, forward_source
+from grouprl.cpu.module_patch import forward_replaced, forward_source
 
 _GATED = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
 

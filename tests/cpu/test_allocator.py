@@ -9,14 +9,14 @@ import textwrap
 
 import pytest
 
-from grouprl.trainer import allocator
+from grouprl.cpu import allocator
 
 MiB = 1 << 20
 
 SCRIPT = textwrap.dedent(
     """
     import ctypes, torch
-    from grouprl.trainer import allocator
+    from grouprl.cpu import allocator
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in
@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent(
 TRIM_SCRIPT = textwrap.dedent(
     """
     import ctypes, os, torch
-    from grouprl.trainer import allocator
+    from grouprl.cpu import allocator
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 32 << 20)  # blocks under 32 MiB from the heap

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grouprl.rollout import small_matmul
-from grouprl.rollout.small_matmul import MAX_ROWS, TRIALS, small_batch_linear
+from grouprl.cpu import small_matmul
+from grouprl.cpu.small_matmul import MAX_ROWS, TRIALS, small_batch_linear
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from grouprl.module_patch import forward_replaced, forward_source
+from grouprl.cpu.module_patch import forward_replaced, forward_source
 
 _RMS_NORM = (
     "input_dtype=hidden_states.dtype"

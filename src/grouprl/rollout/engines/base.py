@@ -1,0 +1,113 @@
+"""What every rollout engine offers: token ids in, token ids out.
+
+An engine samples n continuations of token-id prompts (`generate`), and for multi-turn agents
+keeps a conversation per trajectory across turns (`open_session`). The trainer tells it when the
+policy's weights changed (`weights_updated`), so an engine with its own copy of the weights (an
+inference server) can take the new ones before the next rollout; an engine that runs the
+trainer's own model has nothing to do. Nothing is re-tokenized on the way: prompts go in as ids,
+responses come back as the ids the engine sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens, EOS / stop string included
+    text: str  # decoded without special tokens
+    finish_reason: str  # "eos" | "stop" | "length"
+    log_probs: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
+
+
+GroupDone = Callable[[int, list[Generation]], None]
+
+
+class Session(Protocol):
+    """Rows (one per trajectory, prompt-major) whose contexts live across turns."""
+
+    def generate(
+        self,
+        rows: list[int],
+        new_tokens: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Generation]:
+        """Append `new_tokens[i]` to row `rows[i]`'s context and sample its continuation."""
+        ...
+
+    def release(self, row: int) -> None:
+        """The row has ended: drop what it holds."""
+        ...
+
+
+class RolloutEngine(Protocol):
+    model: torch.nn.Module  # the trainer's policy (an engine with its own copy syncs from it)
+    tokenizer: Any
+    eos_token_ids: list[int]
+    pad_token_id: int
+    prefill_tokens: int  # tokens fed to the model so far (what KV reuse / prefix caching saves)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the trainer's policy lives."""
+        ...
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        on_group_done: GroupDone | None = None,
+    ) -> list[Generation]:
+        """n continuations of every prompt, prompt-major; `on_group_done(i, generations)` as soon
+        as prompt i's n samples have all ended."""
+        ...
+
+    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True) -> Session:
+        """A multi-turn session over the n samples of every prompt."""
+        ...
+
+    def weights_updated(self, model: torch.nn.Module) -> None:
+        """The policy `model` has new weights: the next rollout must sample from them."""
+        ...
+
+
+class ReprefillSession:
+    """Turn generation through `engine.generate` alone: every turn feeds each conversation whole
+    (an engine with prefix caching finds the shared part in its cache)."""
+
+    def __init__(self, engine: RolloutEngine, prompts: list[list[int]], n: int):
+        self.engine, self.prompts, self.n = engine, prompts, n
+        self.contexts = [list(prompts[k // n]) for k in range(len(prompts) * n)]
+        self.started = False
+
+    def generate(self, rows, new_tokens, params, generator=None) -> list[Generation]:
+        for k, ids in zip(rows, new_tokens):
+            self.contexts[k].extend(ids)
+        if not self.started and rows == list(range(len(self.contexts))):  # one prefill per group
+            generations = self.engine.generate(self.prompts, self.n, params, generator)
+        else:
+            generations = self.engine.generate([self.contexts[k] for k in rows], 1, params, generator)
+        self.started = True
+        for k, g in zip(rows, generations):
+            self.contexts[k].extend(g.token_ids)
+        return generations
+
+    def release(self, row: int) -> None:
+        self.contexts[row] = []
