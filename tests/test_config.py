@@ -230,6 +230,11 @@ def test_missing_config_file(tmp_path):
         (["reward.components=[{name: a}]"], "'reward.val_metric' must be 'reward' or a component name (a)"),
         (["reward.components=[]"], "must name at least one reward"),
         (["trainer.total_steps=0", "trainer.total_epochs=0"], "'trainer.total_epochs' must be >= 1"),
+        (["algorithm.rollout_is=token"], "'algorithm.rollout_is' needs an engine with its own copy of the weights"),
+        (["rollout.engine=vllm", "algorithm.rollout_is_cap=0"], "'algorithm.rollout_is_cap' must be > 0"),
+        (["rollout.engine=vllm", "rollout.sleep_level=3"], "'rollout.sleep_level' must be 0, 1 or 2"),
+        (["rollout.gpu_memory_utilization=1.5"], "'rollout.gpu_memory_utilization' must be in (0, 1]"),
+        (["rollout.engine=sglang"], "'rollout.engine' must be one of 'hf', 'vllm'"),
     ],
 )
 def test_validate_rejects_impossible_combinations(overrides, expected):

@@ -93,8 +93,8 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf"] = "hf"
-    """Rollout engine: hf = the built-in decode loop over the trainer's own model (CPU and GPU)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Rollout engine: hf = the built-in decode loop over the trainer's own model (CPU and GPU); vllm = vLLM in-process (extra `vllm`)."""
     n_agent: int = 8
     """Samples per prompt; one group per prompt (verl: actor_rollout_ref.rollout.n_agent)."""
     temperature: float = 1.0
@@ -117,6 +117,18 @@ class RolloutConfig:
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Generation precision: bfloat16 = autocast over float32 weights; auto = as actor.dtype resolves."""
+    gpu_memory_utilization: float = 0.5
+    """vllm: share of the accelerator's memory (of host memory on vLLM's CPU build) vLLM may take for weights and KV cache."""
+    kv_cache_gb: float = 0.0
+    """vllm: KV-cache budget in GiB, instead of what gpu_memory_utilization leaves (0 = from the share)."""
+    tensor_parallel_size: int = 1
+    """vllm: devices one engine shards the model over."""
+    sleep_level: int = 1
+    """vllm on CUDA: between rollouts free the KV cache and offload weights (1), or discard weights too (2: the next push brings them); 0 = stay awake."""
+    enforce_eager: bool = False
+    """vllm: run eagerly instead of with captured graphs (slower decoding, faster start-up)."""
+    max_model_len: int = 0
+    """vllm: longest context (prompt + response, observations included) the engine plans for; 0 = the model's own limit."""
 
 
 @dataclass
@@ -369,6 +381,12 @@ class AlgorithmConfig:
     """KL estimator for the reward penalty: k1, abs, k2, k3."""
     ref_refresh_steps: int = 0
     """Copy the policy into the reference model every N steps (0 = never)."""
+    rollout_is: Literal["off", "token", "sequence"] = "off"
+    """Truncated importance sampling of engine samples: weight each token's loss by min(pi_old / pi_rollout, cap), per token or per sequence."""
+    rollout_is_cap: float = 2.0
+    """Cap of the rollout importance weight (verl: rollout_is_threshold)."""
+    mismatch_threshold: float = 0.1
+    """Engine-vs-trainer log-prob difference above which a token counts in rollout/mismatch_above_threshold."""
 
 
 @dataclass
@@ -670,6 +688,11 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.temperature": "rollout.temperature",
     "actor_rollout_ref.rollout.top_p": "rollout.top_p",
     "actor_rollout_ref.rollout.top_k": "rollout.top_k",
+    "actor_rollout_ref.rollout.name": "rollout.engine",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tensor_parallel_size",
+    "actor_rollout_ref.rollout.enforce_eager": "rollout.enforce_eager",
+    "algorithm.rollout_is_threshold": "algorithm.rollout_is_cap",
     "trainer.save_freq": "trainer.save_freq",
     "trainer.test_freq": "trainer.test_freq",
     "trainer.resume_mode": "trainer.resume_mode",
@@ -920,6 +943,20 @@ def validate(cfg: Config) -> Config:
         f"config key 'actor.dual_clip' must be > 1.0 or null, got {cfg.actor.dual_clip!r}",
     )
     need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
+    need(cfg.algorithm.rollout_is_cap > 0, "config key 'algorithm.rollout_is_cap' must be > 0")
+    need(
+        cfg.algorithm.rollout_is == "off" or cfg.rollout.engine != "hf",
+        "config key 'algorithm.rollout_is' needs an engine with its own copy of the weights (rollout.engine=vllm); "
+        "the hf engine samples from the trainer's model itself",
+    )
+    need(cfg.rollout.sleep_level in (0, 1, 2), "config key 'rollout.sleep_level' must be 0, 1 or 2")
+    need(
+        0 < cfg.rollout.gpu_memory_utilization <= 1,
+        "config key 'rollout.gpu_memory_utilization' must be in (0, 1]",
+    )
+    need(cfg.rollout.kv_cache_gb >= 0, "config key 'rollout.kv_cache_gb' must be >= 0 (0 = from the share)")
+    need(cfg.rollout.tensor_parallel_size >= 1, "config key 'rollout.tensor_parallel_size' must be >= 1")
+    need(cfg.rollout.max_model_len >= 0, "config key 'rollout.max_model_len' must be >= 0 (0 = the model's)")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")
     need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")

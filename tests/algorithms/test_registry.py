@@ -31,7 +31,10 @@ def test_public_api_is_exactly_the_documented_names():
             "POLICY_LOSSES",
             "AGG_MODES",
             "KL_ESTIMATORS",
+            "ROLLOUT_CORRECTIONS",
             "available",
+            "rollout_is_weights",
+            "logprob_mismatch",
         ]
     )
     for name in algorithms.__all__:
@@ -54,6 +57,7 @@ def test_registered_names():
     assert sorted(POLICY_LOSSES) == available("policy_loss")
     assert sorted(AGG_MODES) == available("agg_mode")
     assert sorted(KL_ESTIMATORS) == available("kl_estimator")
+    assert available("rollout_correction") == ["sequence", "token"]
     # verl's aliases resolve to the same function
     assert KL_ESTIMATORS["kl"] is KL_ESTIMATORS["k1"]
     assert KL_ESTIMATORS["mse"] is KL_ESTIMATORS["k2"]

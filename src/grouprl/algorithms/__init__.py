@@ -6,21 +6,32 @@ registered by name in `registry` (plain dicts); callers pick one by name and an 
 name raises ValueError listing the allowed names (`available(kind)` gives them).
 """
 
-from .api import aggregate_loss, compute_advantages, kl_estimate, policy_loss
+from .api import aggregate_loss, compute_advantages, kl_estimate, policy_loss, rollout_is_weights
 from .entropy import entropy_from_logits
-from .registry import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, available
+from .registry import (
+    ADVANTAGE_ESTIMATORS,
+    AGG_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    available,
+)
 from .returns import discounted_returns
+from .rollout_correction import logprob_mismatch
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "aggregate_loss",
     "available",
     "compute_advantages",
     "discounted_returns",
     "entropy_from_logits",
     "kl_estimate",
+    "logprob_mismatch",
     "policy_loss",
+    "rollout_is_weights",
 ]

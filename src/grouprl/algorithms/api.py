@@ -55,12 +55,15 @@ def policy_loss(
     clip_high: float,
     dual_clip: float | None = 3.0,
     agg_mode: str,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss `mode` ("ppo" | "gspo"), reduced with `agg_mode`.
 
     log_probs, old_log_probs, loss_mask: [N, T]; advantages: [N] (one per sequence,
-    broadcast over tokens) or [N, T]. Returns (scalar loss, metrics as python floats:
-    "clipfrac", "clipfrac_lower", "ppo_kl"). `dual_clip` applies to "ppo" only.
+    broadcast over tokens) or [N, T]. `token_weights` [N, T] (constants, e.g. rollout
+    importance weights from `rollout_is_weights`) multiply the per-token losses before the
+    reduction. Returns (scalar loss, metrics as python floats: "clipfrac", "clipfrac_lower",
+    "ppo_kl"). `dual_clip` applies to "ppo" only.
     """
     token_losses = lookup("policy_loss", mode)
     reduce = lookup("agg_mode", agg_mode)
@@ -92,8 +95,36 @@ def policy_loss(
         clip_high=clip_high,
         dual_clip=dual_clip,
     )  # [N, T]
+    if token_weights is not None:
+        if token_weights.shape != log_probs.shape:
+            raise ValueError(
+                f"token_weights shape {tuple(token_weights.shape)} != log_probs shape {tuple(log_probs.shape)}"
+            )
+        pg_losses = pg_losses * token_weights.detach().to(pg_losses.dtype)
     loss = reduce(pg_losses, loss_mask)
     return loss, {name: float(value) for name, value in metrics.items()}
+
+
+def rollout_is_weights(
+    level: str,
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights [N, T] of engine samples (see rollout_correction.py) at
+    `level` ("token" | "sequence"), capped at `cap`; metrics "mean", "capped_frac"."""
+    fn = lookup("rollout_correction", level)
+    for name, tensor in (("rollout_log_probs", rollout_log_probs), ("loss_mask", loss_mask)):
+        if tensor.shape != old_log_probs.shape:
+            raise ValueError(
+                f"{name} shape {tuple(tensor.shape)} != old_log_probs shape {tuple(old_log_probs.shape)}"
+            )
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    weights, metrics = fn(old_log_probs, rollout_log_probs, loss_mask, cap=cap)
+    return weights, {name: float(value) for name, value in metrics.items()}
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import advantages, aggregation, kl, policy_losses
+from . import advantages, aggregation, kl, policy_losses, rollout_correction
 
 # name -> fn(rewards [N], group_index [N], *, norm_by_std, epsilon) -> advantages [N]
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
@@ -50,12 +50,20 @@ KL_ESTIMATORS: dict[str, Callable] = {
     "low_var_kl+": kl.kl_k3_plus,
 }
 
+# name -> fn(old_log_probs [N, T], rollout_log_probs [N, T], loss_mask [N, T], *, cap)
+#         -> (weights [N, T], metrics); truncated importance sampling of engine samples
+ROLLOUT_CORRECTIONS: dict[str, Callable] = {
+    "token": rollout_correction.token_is_weights,
+    "sequence": rollout_correction.sequence_is_weights,
+}
+
 # kind -> (registry, how the kind reads in an error message)
 REGISTRIES: dict[str, tuple[dict[str, Callable], str]] = {
     "advantage_estimator": (ADVANTAGE_ESTIMATORS, "advantage estimator"),
     "policy_loss": (POLICY_LOSSES, "policy loss"),
     "agg_mode": (AGG_MODES, "loss aggregation mode"),
     "kl_estimator": (KL_ESTIMATORS, "KL estimator"),
+    "rollout_correction": (ROLLOUT_CORRECTIONS, "rollout correction level"),
 }
 
 

@@ -80,9 +80,17 @@ class _Rollout:
     needs_answer: bool = False
     final: bool = False  # nothing will be appended any more (answer written when one was due)
 
-    def append(self, ids: list[int], mask: int, text: str) -> None:
-        self.trajectory.response_ids.extend(ids)
-        self.trajectory.loss_mask.extend([mask] * len(ids))
+    def append(self, ids: list[int], mask: int, text: str, log_probs: list[float] | None = None) -> None:
+        """Append tokens; `log_probs` are the engine's for a policy segment (mask 1): without
+        them the trajectory has no rollout log-probs at all."""
+        t = self.trajectory
+        t.response_ids.extend(ids)
+        t.loss_mask.extend([mask] * len(ids))
+        if t.rollout_log_probs is not None:
+            if mask and log_probs is None:
+                t.rollout_log_probs = None
+            else:
+                t.rollout_log_probs.extend(log_probs if mask else [0.0] * len(ids))
         self.text.append(text)
 
 
@@ -139,7 +147,7 @@ class AgentLoop:
         rollouts = [
             _Rollout(
                 AgentState(sample=samples[i], index=j),
-                Trajectory(sample=samples[i], index=j, prompt_ids=prompts[i]),
+                Trajectory(sample=samples[i], index=j, prompt_ids=prompts[i], rollout_log_probs=[]),
             )
             for i in range(len(samples))
             for j in range(n)
@@ -159,7 +167,7 @@ class AgentLoop:
             answering = self._settle(answering, groups)
             actions = [parse_action(g.text) for g in generations]
             for k, g in zip(active, generations):
-                rollouts[k].append(g.token_ids, 1, g.text)
+                rollouts[k].append(g.token_ids, 1, g.text, g.log_probs)
             # every tool call of the turn at once: searches wait on I/O, not on each other
             observations = await asyncio.gather(*(self._act(rollouts[k], a) for k, a in zip(active, actions)))
 

@@ -27,6 +27,9 @@ class Trajectory:
     finish_reason: str = ""  # "eos" | "stop" | "length"
     turns: list[dict[str, Any]] = field(default_factory=list)  # per-turn records (agents)
     retrieved: list[str] = field(default_factory=list)  # doc ids the agent retrieved, first-retrieval order
+    # [R] the engine's log-prob of each response token as it sampled it (0 where mask is 0);
+    # None when the engine does not report them
+    rollout_log_probs: list[float] | None = None
     rewards: dict[str, float] = field(default_factory=dict)  # named components
     reward: float = 0.0  # composite
     advantage: float = 0.0

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import yaml
 
-from grouprl.algorithms import compute_advantages, kl_estimate
+from grouprl.algorithms import compute_advantages, kl_estimate, logprob_mismatch, rollout_is_weights
 from grouprl.config import Config, to_dict
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
 from grouprl.curriculum.online import OnlineCurriculum
@@ -156,7 +156,14 @@ class Trainer:
             self.optimizer, cfg.actor.optim, self.total_steps * mini_batches * cfg.actor.ppo_epochs
         )
         self.ref_model = self._make_reference()
-        self.engine = build_engine(cfg.rollout, self.model, self.tokenizer)
+        self.engine = build_engine(
+            cfg.rollout,
+            self.model,
+            self.tokenizer,
+            model_path=model_path,
+            seed=cfg.trainer.seed,
+            dtype=self.rollout_dtype,
+        )
         self.agent = (
             AgentLoop(self.engine, self.tokenizer, build_tools(cfg.agent), cfg.agent)
             if cfg.agent.enabled
@@ -320,6 +327,7 @@ class Trainer:
                 prompt_ids=prompts[i],
                 response_ids=gen.token_ids,
                 loss_mask=[1] * len(gen.token_ids),
+                rollout_log_probs=gen.log_probs,
                 response_text=gen.text,
                 finish_reason=gen.finish_reason,
             )
@@ -455,8 +463,13 @@ class Trainer:
             pad_token_id=self.engine.pad_token_id,
         )
         need_ref = self.ref_model is not None
-        if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0:
+        # the trainer's own log-probs of the sampled tokens: after a first optimizer step, for a
+        # KL penalty, and against an engine that samples from its own copy of the weights
+        own_copy = tensors.rollout_log_probs is not None and c.rollout.engine != "hf"
+        if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0 or own_copy:
             tensors.old_log_probs = self.updater.score_all(self.model, tensors)
+        if own_copy:
+            metrics.update(self._rollout_correction(tensors))
         if need_ref:
             tensors.ref_log_probs = self._ref_log_probs(tensors)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
@@ -486,7 +499,8 @@ class Trainer:
         )
         t_update = time.perf_counter()
         self.engine.weights_updated(self.model)  # the next rollout samples from the new weights
-        metrics["time/weight_sync"] = time.perf_counter() - t_update
+        t_synced = time.perf_counter()
+        metrics["time/weight_sync"] = t_synced - t_update
         self.step += 1
         self._updating = False
         if (
@@ -514,9 +528,9 @@ class Trainer:
                 "response/truncated_frac": float(np.mean([t.truncated for t in trajectories])),
                 "time/old_ref_log_probs": t_prep - t_reward,
                 "time/update": t_update - t_prep,
-                "time/step": t_update - t0,
+                "time/step": t_synced - t0,
                 "perf/gen_tokens_per_s": gen_tokens / max(metrics["time/generate"], 1e-9),
-                "perf/tokens_per_s": all_tokens / max(t_update - t0, 1e-9),
+                "perf/tokens_per_s": all_tokens / max(t_synced - t0, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
                 "train/epoch": float(self.sampler.epoch),
                 **self.prompt_stats,
@@ -528,6 +542,20 @@ class Trainer:
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
         return metrics, trajectories
+
+    def _rollout_correction(self, tensors) -> dict[str, float]:
+        """How far the engine's log-probs are from the trainer's on the loss's tokens and, with
+        algorithm.rollout_is, the capped importance weights that correct for it in the loss."""
+        a = self.cfg.algorithm
+        old, rollout, mask = tensors.old_log_probs.float(), tensors.rollout_log_probs, tensors.loss_mask
+        metrics = {
+            f"rollout/mismatch_{k}": float(v)
+            for k, v in logprob_mismatch(old, rollout, mask, a.mismatch_threshold).items()
+        }
+        if a.rollout_is != "off":
+            tensors.is_weights, is_metrics = rollout_is_weights(a.rollout_is, old, rollout, mask, cap=a.rollout_is_cap)
+            metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
+        return metrics
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -44,6 +44,8 @@ class StepTensors:
     advantages: torch.Tensor  # [N]
     old_log_probs: torch.Tensor | None = None  # [N, R]
     ref_log_probs: torch.Tensor | None = None  # [N, R]
+    rollout_log_probs: torch.Tensor | None = None  # [N, R] the engine's, when it reports them
+    is_weights: torch.Tensor | None = None  # [N, R] rollout importance weights of the loss's tokens
 
     def rows(self, index: list[int]) -> ResponseBatch:
         idx = torch.tensor(index, device=self.response_ids.device)
@@ -60,6 +62,8 @@ def build_step_tensors(
     response_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    reported = all(t.rollout_log_probs is not None for t in trajectories)
+    rollout_log_probs = torch.zeros((n, width), dtype=torch.float32) if reported else None
     for i, t in enumerate(trajectories):
         r = len(t.response_ids)
         if r == 0:
@@ -68,12 +72,15 @@ def build_step_tensors(
         response_mask[i, :r] = 1
         if not (mask_truncated and t.truncated):
             loss_mask[i, :r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        if rollout_log_probs is not None:
+            rollout_log_probs[i, :r] = torch.tensor(t.rollout_log_probs, dtype=torch.float32)
     return StepTensors(
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=response_ids.to(device),
         response_mask=response_mask.to(device),
         loss_mask=loss_mask.to(device),
         advantages=torch.tensor([t.advantage for t in trajectories], dtype=torch.float32, device=device),
+        rollout_log_probs=rollout_log_probs.to(device) if rollout_log_probs is not None else None,
     )
 
 
@@ -295,6 +302,7 @@ class PolicyUpdater:
             clip_high=cfg.clip_high,
             dual_clip=cfg.dual_clip,
             agg_mode=cfg.loss_agg_mode,
+            token_weights=tensors.is_weights[micro] if tensors.is_weights is not None else None,
         )
         metrics = {"actor/pg_loss": float(pg_loss.detach()), **{f"actor/{k}": v for k, v in m.items()}}
         loss = pg_loss

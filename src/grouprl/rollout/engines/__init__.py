@@ -1,6 +1,6 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): `hf`, the built-in decode loop
-over the trainer's own transformers model. The agent loop and the trainer talk to the
-interface only."""
+over the trainer's own transformers model, and `vllm`, vLLM in-process with its own copy of the
+weights (pushed after every update). The agent loop and the trainer talk to the interface only."""
 
 from grouprl.rollout.engines.base import (
     Generation,
@@ -13,10 +13,23 @@ from grouprl.rollout.engines.base import (
 __all__ = ["Generation", "ReprefillSession", "RolloutEngine", "SamplingParams", "Session", "build_engine"]
 
 
-def build_engine(cfg, model, tokenizer) -> RolloutEngine:
-    """The engine `cfg.engine` names (cfg: the rollout config) over the policy `model`."""
+def build_engine(cfg, model, tokenizer, *, model_path: str = "", seed: int = 0, dtype=None) -> RolloutEngine:
+    """The engine `cfg.engine` names (cfg: the rollout config) over the policy `model`, loaded
+    from `model_path`; `dtype` is the generation precision (None: the parameters')."""
     if cfg.engine == "hf":
         from grouprl.rollout.engines.hf import HFEngine
 
         return HFEngine(model, tokenizer, share_prompt_prefill=cfg.share_prompt_prefill, max_batch=cfg.gen_batch_size)
+    if cfg.engine == "vllm":
+        from grouprl.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model,
+            tokenizer,
+            model_path,
+            cfg,
+            seed=seed,
+            dtype=dtype or next(model.parameters()).dtype,
+            max_model_len=cfg.max_model_len or None,
+        )
     raise ValueError(f"unknown rollout engine {cfg.engine!r}")  # config validation names the choices

@@ -1,0 +1,256 @@
+"""The vLLM engine: rollouts on vLLM's paged attention and continuous batching, in the trainer's
+process, colocated with training.
+
+Token ids in, token ids out: prompts go to vLLM as ids, each sample comes back as the ids vLLM
+sampled with their log-probs (after temperature, top-k and top-p: `processed_logprobs`), and the
+text is decoded here with the policy's tokenizer, as the hf engine does. A prompt's n samples
+are one request with `n`; prefix caching shares a prompt's KV blocks between its samples and,
+for agents, between the turns of a conversation (each turn feeds the conversation whole).
+
+Weights: after every optimizer step the trainer calls `weights_updated(model)`, which streams
+the policy's parameters into vLLM's model in place (`reload_weights` on the worker, no disk),
+LoRA adapters merged on the fly (the trainer's model is not touched), and resets the prefix
+cache, whose blocks were computed with the old weights.
+
+Memory: with `rollout.sleep_level` > 0 the engine sleeps between rollouts (level 1: KV cache
+freed, weights offloaded to host memory; level 2: weights discarded too, since the next push
+brings them anyway), so the update has the accelerator's memory; it wakes for the next rollout.
+
+Sampling randomness: vLLM draws from the global torch generator when a request has no seed of
+its own (a per-request seed fails on vLLM's CPU backend), so each `generate` reseeds it from the
+trainer's generator inside `torch.random.fork_rng`: the same generator state gives the same
+samples, and the trainer's own global RNG is left as it was.
+
+vLLM must run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before vLLM is first
+imported) for the weight push to reach the model without serialising it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from grouprl.errors import ModelLoadError
+from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession, SamplingParams
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM: pip install 'grouprl[vllm]' on a CUDA machine, or the CPU "
+    "build (see README, 'Rollout on vLLM')"
+)
+
+
+def import_vllm():
+    """The vllm module, in-process; one clear line when it is not installed or cannot load."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ModelLoadError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
+    return vllm
+
+
+def merged_state(model: torch.nn.Module):
+    """(name, tensor) of the policy's weights as a plain checkpoint names them: LoRA adapters
+    added into their base weights (W + scale * B @ A), computed aside, the model unchanged."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    deltas: dict[str, torch.Tensor] = {}
+    if base is not model:
+        from peft.tuners.lora import LoraLayer
+
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and not module.merged:
+                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+                if isinstance(delta, torch.Tensor):
+                    deltas[f"{name}.base_layer.weight"] = delta
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        tensor = param.detach()
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        yield name.replace(".base_layer.", "."), tensor
+
+
+def _refresh_tied_head(worker) -> None:
+    """A tied LM head is skipped by the reload (its weight is the embedding's), but a backend may
+    keep a repacked copy of it for its matrix products (vLLM's CPU backend does): redo that."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    if head is not None and getattr(config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMEngine:
+    """RolloutEngine on an in-process vLLM `LLM` holding its own copy of the policy's weights."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        model_path: str,
+        cfg: Any,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        max_model_len: int | None = None,
+    ):
+        """`cfg` is the rollout config; `model_path` the folder the policy was loaded from (vLLM
+        reads its config and tokenizer there; its weights are the trainer's, pushed below)."""
+        vllm = import_vllm()
+        self.model, self.tokenizer = model, tokenizer
+        self.sleep_level = cfg.sleep_level
+        self.on_cuda = next(model.parameters()).device.type == "cuda"
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos_ids)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.push_seconds = 0.0  # time spent pushing weights, in all
+        t0 = time.perf_counter()
+        kv_bytes = int(cfg.kv_cache_gb * 2**30) or None
+        try:  # vLLM seeds the global torch generator while it starts: keep the trainer's as it was
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.on_cuda else []):
+                self.llm = self._start(vllm, model_path, cfg, seed, dtype, max_model_len, kv_bytes)
+        except Exception as e:  # noqa: BLE001 - any engine start-up failure is one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ModelLoadError(f"vLLM could not start on '{model_path}': {type(e).__name__}: {first}") from None
+        self._sleeping: set[str] = set()
+        log.info("vLLM engine ready in %.1f s", time.perf_counter() - t0)
+        self.weights_updated(model)  # the trainer's weights (LoRA merged, a resumed checkpoint)
+        self._sleep()
+
+    def _start(self, vllm, model_path, cfg, seed, dtype, max_model_len, kv_bytes):
+        return vllm.LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=str(dtype).removeprefix("torch."),
+            seed=seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,  # an explicit KV budget wins over the share
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enable_sleep_mode=self.sleep_level > 0 and self.on_cuda,
+            enforce_eager=cfg.enforce_eager,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ------------------------------------------------------------------ memory between rollouts
+    def _sleep(self) -> None:
+        if self.sleep_level > 0 and self.on_cuda and not self._sleeping:
+            self.llm.sleep(level=self.sleep_level)
+            self._sleeping = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str]) -> None:
+        tags = [t for t in tags if t in self._sleeping]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._sleeping -= set(tags)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def weights_updated(self, model: torch.nn.Module) -> None:
+        """Stream the policy's weights into vLLM's model in place, then drop the prefix cache
+        (its blocks hold keys and values of the old weights)."""
+        t0 = time.perf_counter()
+        self._wake(["weights"])
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": merged_state(model), "is_checkpoint_format": True}
+        )
+        self.llm.collective_rpc(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        self.push_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ sampling
+    def _params(self, n: int, params: SamplingParams):
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VLLMSamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,  # the hf engine keeps the stop string too
+            logprobs=0,  # the sampled token's own log-prob
+            detokenize=bool(params.stop),  # text is decoded here; vLLM needs it for stop strings only
+            skip_special_tokens=False,  # stop strings are matched on the full text, as the hf engine does
+            output_kind=RequestOutputKind.FINAL_ONLY,  # a prompt's n samples together, once all ended
+        )
+
+    def _generation(self, out) -> Generation:
+        token_ids = list(out.token_ids)
+        if out.finish_reason == "length":
+            reason = "length"
+        elif out.stop_reason is None or isinstance(out.stop_reason, int):
+            reason = "eos"  # an EOS token, kept as the hf engine keeps it
+        else:
+            reason = "stop"
+        log_probs = [step[t].logprob for step, t in zip(out.logprobs or [], token_ids)]
+        return Generation(
+            token_ids=token_ids,
+            text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            finish_reason=reason,
+            log_probs=log_probs if len(log_probs) == len(token_ids) else None,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        on_group_done: GroupDone | None = None,
+    ) -> list[Generation]:
+        """n samples of every prompt, prompt-major; a prompt's n samples are handed to
+        `on_group_done` as soon as vLLM has finished all of them."""
+        if not prompts:
+            return []
+        self._wake(["weights", "kv_cache"])
+        engine = self.llm.llm_engine
+        # greedy samples of one prompt are all alike: vLLM takes n = 1 there, copied n times
+        copies = n if params.temperature == 0 else 1
+        sampling = self._params(n // copies, params)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+        devices = [torch.cuda.current_device()] if self.on_cuda else []
+        done: dict[int, list[Generation]] = {}
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": list(prompt)}, sampling)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    i = int(out.request_id)
+                    ordered = sorted(out.outputs, key=lambda o: o.index)
+                    done[i] = [self._generation(o) for o in ordered for _ in range(copies)]
+                    if on_group_done is not None:
+                        on_group_done(i, done[i])
+        self.prefill_tokens += sum(len(p) for p in prompts)
+        self.decode_tokens += sum(len(g.token_ids) for gens in done.values() for g in gens)
+        self._sleep()
+        return [g for i in range(len(prompts)) for g in done[i]]
+
+    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True) -> ReprefillSession:
+        """Every turn feeds each conversation whole; vLLM's prefix cache finds the part it has
+        already computed, which takes the place of the hf engine's per-row KV reuse."""
+        return ReprefillSession(self, prompts, n)
