@@ -202,3 +202,18 @@ def test_an_agent_episode_on_vllm_has_the_hf_engines_tokens_and_masks(tmp_path):
         mask = torch.tensor(t.loss_mask).bool()
         assert len(lp) == len(t.response_ids) and bool((lp[mask] < 0).all()) and bool((lp[~mask] == 0).all())
     assert all(t.rollout_log_probs is None for t in hf)
+
+
+def test_an_engine_starts_with_llvmlite_loaded(folder):
+    """vLLM's CPU build scans every loaded module at start-up; llvmlite's `ffi.lib` (numba, which
+    bm25s loads for the retriever) answers any attribute and used to break that scan."""
+    pytest.importorskip("llvmlite")
+    import llvmlite.binding  # noqa: F401 - loaded, as it is once the retriever's index is
+
+    from grouprl.rollout.engines.vllm import VLLMEngine
+
+    model, tokenizer = fresh_model(8)
+    engine = VLLMEngine(model, tokenizer, str(folder), EngineSettings, seed=0, max_model_len=256)
+    prompts = prompts_of(tokenizer, ["abc"])
+    got = engine.generate(prompts, 1, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in HFEngine(model, tokenizer).generate(prompts, 1, GREEDY)]

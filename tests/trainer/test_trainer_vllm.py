@@ -89,24 +89,70 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir):
 
 
 def test_truncated_importance_weights_enter_the_loss(tmp_path, model_dir, monkeypatch):
-    """With rollout_is the update receives the capped weights exp(old - rollout) of the step's
-    tokens; on the same weights they are 1 up to float noise."""
+    """With rollout_is the loss receives the capped weights exp(old - rollout) of the step's
+    tokens, old being the update's own on-policy log-probs (no extra scoring pass); on the same
+    weights they are 1 up to float noise, and the logged metrics are theirs."""
+    import grouprl.trainer.update as update
+
     trainer = trainer_for(
-        tmp_path, model_dir, "algorithm.rollout_is=token", "algorithm.rollout_is_cap=1.5", "trainer.total_steps=1"
+        tmp_path, model_dir, "algorithm.rollout_is=token", "algorithm.rollout_is_cap=1.5", "trainer.total_steps=1",
+        "actor.micro_batch_size=8",
     )
-    seen = []
-    real = trainer.updater.update
+    seen, steps = [], []
+    real_loss, real_update = update.policy_loss, trainer.updater.update
 
-    def spy(model, optimizer, scheduler, tensors, *args):
-        seen.append(tensors)
-        return real(model, optimizer, scheduler, tensors, *args)
+    def loss_spy(*args, token_weights=None, **kwargs):
+        seen.append(token_weights)
+        return real_loss(*args, token_weights=token_weights, **kwargs)
 
-    monkeypatch.setattr(trainer.updater, "update", spy)
+    def update_spy(model, optimizer, scheduler, tensors, *args):
+        assert tensors.old_log_probs is None  # one epoch, one mini-batch: no scoring pass before
+        steps.append(tensors)
+        return real_update(model, optimizer, scheduler, tensors, *args)
+
+    monkeypatch.setattr(update, "policy_loss", loss_spy)
+    monkeypatch.setattr(trainer.updater, "update", update_spy)
     metrics, _ = trainer.train_step()
-    tensors = seen[0]
+    tensors = steps[0]
+    assert len(seen) == 1 and seen[0] is not None  # one micro-batch of the whole step
     mask = tensors.loss_mask.bool()
-    want = torch.exp(tensors.old_log_probs.float() - tensors.rollout_log_probs).clamp(max=1.5)
-    torch.testing.assert_close(tensors.is_weights[mask], want[mask])
-    assert (tensors.is_weights[mask] - 1).abs().max() < 1e-3
+    want = torch.exp(tensors.old_log_probs - tensors.rollout_log_probs).clamp(max=1.5)
+    torch.testing.assert_close(seen[0][mask], want[mask])
+    assert (seen[0][mask] - 1).abs().max() < 1e-3
     assert metrics["rollout/is_mean"] == pytest.approx(float(want[mask].mean()), abs=1e-6)
     assert metrics["rollout/is_capped_frac"] == 0.0
+    assert metrics["rollout/mismatch_max"] < 1e-3
+
+
+def test_the_search_agent_trains_on_vllm_turns(tmp_path, index_dir):
+    """The agent loop inside the training loop on vLLM: turns against a real in-process index,
+    observations with loss mask 0 (and no engine log-probs under them), the engine's log-probs of
+    the policy's tokens agreeing with the trainer's, and an update; then fit runs on."""
+    model_dir = tmp_path / "model"  # room for the protocol prompt: vLLM holds to the model's positions
+    tiny_model_and_tokenizer(model_dir, init_std=0.02, max_position_embeddings=4096, **TINY)
+    trainer = trainer_for(
+        tmp_path,
+        model_dir,
+        "agent.enabled=true",
+        f"agent.retriever.index={index_dir}",
+        "agent.max_turns=2",
+        "agent.answer_generator=none",
+        "rollout.max_response_length=8",
+        "rollout.max_model_len=4096",
+        "data.max_prompt_length=2048",
+        "data.val_files=[]",
+        "trainer.save_final=false",
+        "trainer.total_steps=2",
+    )
+    metrics, trajectories = trainer.train_step()
+    assert len(trajectories) == 2 * 4 and "actor/pg_loss" in metrics
+    assert any(0 in t.loss_mask for t in trajectories)  # observations came back
+    for t in trajectories:
+        assert len(t.rollout_log_probs) == len(t.response_ids) == len(t.loss_mask)
+        for lp, m in zip(t.rollout_log_probs, t.loss_mask):
+            assert (lp < 0) if m else (lp == 0.0)
+    assert metrics["rollout/mismatch_max"] < 1e-3
+    assert metrics["agent/turns_mean"] >= 1
+    trainer.fit()
+    records = read_jsonl(tmp_path / "runs" / "run" / "rollouts.jsonl")
+    assert {r["step"] for r in records} == {2} and all(r["turns"] for r in records)

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from grouprl.algorithms import AGG_MODES, aggregate_loss, kl_estimate, policy_loss
+from grouprl.algorithms import AGG_MODES, aggregate_loss, kl_estimate, policy_loss, rollout_is_weights
 from grouprl.config import ActorConfig, OptimConfig
 from grouprl.data.sample import Sample
 from grouprl.rollout.trajectory import Trajectory
@@ -109,9 +109,9 @@ def actor_config(**overrides) -> ActorConfig:
     return ActorConfig(**fields)
 
 
-def accumulated_grads(model, tensors, cfg, num_prompts=2):
+def accumulated_grads(model, tensors, cfg, num_prompts=2, **updater_args):
     """Run PolicyUpdater.update with a recording optimizer: (per-step gradients, metrics)."""
-    updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0)
+    updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0, **updater_args)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = GradRecorder(params)
     metrics = updater.update(model, optimizer, CountingScheduler(), tensors, num_prompts, params)
@@ -119,7 +119,9 @@ def accumulated_grads(model, tensors, cfg, num_prompts=2):
     return optimizer.steps, metrics
 
 
-def hand_built_loss(model, tensors, cfg, rows=None):
+def hand_built_loss(model, tensors, cfg, rows=None, rollout_is=None):
+    """`rollout_is`: (level, cap) of truncated importance weights against
+    `tensors.rollout_log_probs`, from the old log-probs (the detached current ones if none)."""
     rows = list(range(len(tensors.prompt_ids))) if rows is None else rows
     batch = tensors.rows(rows)
     lp, ent = reference_log_probs(
@@ -127,6 +129,10 @@ def hand_built_loss(model, tensors, cfg, rows=None):
     )
     mask = tensors.loss_mask[rows].double()
     old = tensors.old_log_probs[rows].double() if tensors.old_log_probs is not None else lp.detach()
+    weights = None
+    if rollout_is is not None:
+        level, cap = rollout_is
+        weights, _ = rollout_is_weights(level, old, tensors.rollout_log_probs[rows].double(), mask, cap=cap)
     loss, _ = policy_loss(
         cfg.policy_loss,
         lp,
@@ -137,6 +143,7 @@ def hand_built_loss(model, tensors, cfg, rows=None):
         clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip,
         agg_mode=cfg.loss_agg_mode,
+        token_weights=weights,
     )
     loss = loss - cfg.entropy_coef * aggregate_loss(ent, mask, cfg.loss_agg_mode)
     if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
@@ -145,9 +152,9 @@ def hand_built_loss(model, tensors, cfg, rows=None):
     return loss
 
 
-def hand_built_grads(model, tensors, cfg, rows=None):
+def hand_built_grads(model, tensors, cfg, rows=None, rollout_is=None):
     params = [p for p in model.parameters() if p.requires_grad]
-    return list(torch.autograd.grad(hand_built_loss(model, tensors, cfg, rows), params))
+    return list(torch.autograd.grad(hand_built_loss(model, tensors, cfg, rows, rollout_is), params))
 
 
 def assert_grads_close(actual, expected, rtol):
@@ -525,3 +532,42 @@ def test_prompts_sharing_an_opening_run_it_once_with_the_same_gradient(model, mi
 
     off, _ = accumulated_grads(model, tensors, actor_config(**{**cfg.__dict__, "shared_opening": False}))
     assert max_relative_difference(off[0], steps[0]) < 1e-8
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_policy):
+    """An engine's samples (rollout log-probs 0.2-ish away from the trainer's): each token's
+    loss is weighted by min(exp(old - rollout), cap), computed per micro-batch from the old
+    log-probs (on-policy: the update's own detached ones), whatever the micro-batch size. On
+    policy, the update hands back the log-probs it used as old (for the mismatch metrics)."""
+    step = copy.copy(tensors)
+    with torch.no_grad():
+        lp, _ = reference_log_probs(model, step.prompt_ids, step.response_ids, step.response_mask, TEMPERATURE)
+    gen = torch.Generator().manual_seed(13)
+    step.rollout_log_probs = torch.where(
+        step.response_mask.bool(), lp + 0.2 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
+    ).float()
+    if on_policy:
+        step.old_log_probs = None
+    cfg = actor_config(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05)
+    cap = 1.1
+    weights, metrics = rollout_is_weights(
+        level, lp if on_policy else step.old_log_probs.double(), step.rollout_log_probs.double(), step.loss_mask, cap=cap
+    )
+    assert 0.1 < metrics["capped_frac"] < 0.9  # some weights capped, some not: both branches act
+    expected = hand_built_grads(model, step, cfg, rollout_is=(level, cap))
+    plain = hand_built_grads(model, step, cfg)
+    assert max_relative_difference(expected, plain) > 1e-2  # the weights matter
+    for micro in (1, 3, N_ROWS):
+        run = copy.copy(step)
+        steps, _ = accumulated_grads(
+            model, run, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}),
+            rollout_is=level, rollout_is_cap=cap,
+        )
+        assert_grads_close(steps[0], expected, 1e-6)  # float32 rollout/old log-probs inside
+        if on_policy:
+            real = step.response_mask.bool()
+            torch.testing.assert_close(run.old_log_probs[real].double(), lp[real], rtol=0, atol=1e-6)
+        else:
+            assert run.old_log_probs is step.old_log_probs

@@ -177,6 +177,8 @@ class Trainer:
             pad_token_id=self.engine.pad_token_id,
             skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
             compute_dtype=self.compute_dtype,
+            rollout_is=cfg.algorithm.rollout_is,
+            rollout_is_cap=cfg.algorithm.rollout_is_cap,
         )
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
@@ -463,13 +465,11 @@ class Trainer:
             pad_token_id=self.engine.pad_token_id,
         )
         need_ref = self.ref_model is not None
-        # the trainer's own log-probs of the sampled tokens: after a first optimizer step, for a
-        # KL penalty, and against an engine that samples from its own copy of the weights
-        own_copy = tensors.rollout_log_probs is not None and c.rollout.engine != "hf"
-        if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0 or own_copy:
+        # the trainer's own log-probs of the sampled tokens, when a loss is taken after a first
+        # optimizer step or for a KL penalty; else the update's own first pass gives them (and,
+        # against an engine with its own copy of the weights, keeps them for the mismatch metrics)
+        if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0:
             tensors.old_log_probs = self.updater.score_all(self.model, tensors)
-        if own_copy:
-            metrics.update(self._rollout_correction(tensors))
         if need_ref:
             tensors.ref_log_probs = self._ref_log_probs(tensors)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
@@ -498,6 +498,8 @@ class Trainer:
             )
         )
         t_update = time.perf_counter()
+        if tensors.rollout_log_probs is not None and c.rollout.engine != "hf":
+            metrics.update(self._rollout_correction(tensors))
         self.engine.weights_updated(self.model)  # the next rollout samples from the new weights
         t_synced = time.perf_counter()
         metrics["time/weight_sync"] = t_synced - t_update
@@ -544,8 +546,8 @@ class Trainer:
         return metrics, trajectories
 
     def _rollout_correction(self, tensors) -> dict[str, float]:
-        """How far the engine's log-probs are from the trainer's on the loss's tokens and, with
-        algorithm.rollout_is, the capped importance weights that correct for it in the loss."""
+        """How far the engine's log-probs are from the trainer's old ones on the loss's tokens
+        and, with algorithm.rollout_is, the capped importance weights the update applied."""
         a = self.cfg.algorithm
         old, rollout, mask = tensors.old_log_probs.float(), tensors.rollout_log_probs, tensors.loss_mask
         metrics = {
@@ -553,7 +555,7 @@ class Trainer:
             for k, v in logprob_mismatch(old, rollout, mask, a.mismatch_threshold).items()
         }
         if a.rollout_is != "off":
-            tensors.is_weights, is_metrics = rollout_is_weights(a.rollout_is, old, rollout, mask, cap=a.rollout_is_cap)
+            _, is_metrics = rollout_is_weights(a.rollout_is, old, rollout, mask, cap=a.rollout_is_cap)
             metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
         return metrics
 

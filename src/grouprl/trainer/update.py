@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from grouprl import cpu
-from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss
+from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_is_weights
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.logprobs import (
@@ -45,7 +45,6 @@ class StepTensors:
     old_log_probs: torch.Tensor | None = None  # [N, R]
     ref_log_probs: torch.Tensor | None = None  # [N, R]
     rollout_log_probs: torch.Tensor | None = None  # [N, R] the engine's, when it reports them
-    is_weights: torch.Tensor | None = None  # [N, R] rollout importance weights of the loss's tokens
 
     def rows(self, index: list[int]) -> ResponseBatch:
         idx = torch.tensor(index, device=self.response_ids.device)
@@ -114,8 +113,15 @@ class PolicyUpdater:
         pad_token_id: int,
         skip_nonfinite: bool = True,
         compute_dtype: torch.dtype | None = None,
+        rollout_is: str = "off",
+        rollout_is_cap: float = 2.0,
     ):
+        """`rollout_is` ("off" | "token" | "sequence"): truncated importance weights of an
+        engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs, capped at
+        `rollout_is_cap`, multiply each token's policy-gradient loss."""
         self.cfg = cfg
+        self.rollout_is, self.rollout_is_cap = rollout_is, rollout_is_cap
+        self._recorded: torch.Tensor | None = None  # [N, R] on-policy log-probs of the current update
         self.compute_dtype = compute_dtype  # autocast dtype of forward passes (None = parameter dtype)
         self.skip_nonfinite = skip_nonfinite
         self.temperature = temperature if temperature > 0 else 1.0
@@ -225,6 +231,12 @@ class PolicyUpdater:
             rows_per_mini = n_rows
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
+        # on-policy (no old log-probs given): the first pass's detached log-probs are the old
+        # ones; against an engine's samples they are kept, for the mismatch metrics
+        if tensors.old_log_probs is None and tensors.rollout_log_probs is not None:
+            self._recorded = tensors.loss_mask.new_zeros(tensors.loss_mask.shape, dtype=torch.float32)
+        else:
+            self._recorded = None
         model.train()
         lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
         for _epoch in range(cfg.ppo_epochs):
@@ -272,6 +284,8 @@ class PolicyUpdater:
                     counts[k] += 1
                 sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
                 counts["actor/grad_norm"] += 1
+        if self._recorded is not None:
+            tensors.old_log_probs, self._recorded = self._recorded, None
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
@@ -292,6 +306,13 @@ class PolicyUpdater:
         )
         loss_mask = tensors.loss_mask[micro]
         old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()
+        if self._recorded is not None:
+            self._recorded[micro] = old.float()
+        weights = None
+        if self.rollout_is != "off" and tensors.rollout_log_probs is not None:  # per row: exact per micro-batch
+            weights, _ = rollout_is_weights(
+                self.rollout_is, old.float(), tensors.rollout_log_probs[micro], loss_mask, cap=self.rollout_is_cap
+            )
         pg_loss, m = policy_loss(
             cfg.policy_loss,
             log_probs,
@@ -302,7 +323,7 @@ class PolicyUpdater:
             clip_high=cfg.clip_high,
             dual_clip=cfg.dual_clip,
             agg_mode=cfg.loss_agg_mode,
-            token_weights=tensors.is_weights[micro] if tensors.is_weights is not None else None,
+            token_weights=weights,
         )
         metrics = {"actor/pg_loss": float(pg_loss.detach()), **{f"actor/{k}": v for k, v in m.items()}}
         loss = pg_loss

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -52,7 +53,31 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise ModelLoadError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
+    _guard_kernel_scan()
     return vllm
+
+
+def _mapping_vars(value) -> Mapping:
+    """vars(value) where that is a mapping, else an empty one."""
+    try:
+        found = vars(value)
+    except TypeError:
+        return {}
+    return found if isinstance(found, Mapping) else {}
+
+
+def _guard_kernel_scan() -> None:
+    """vLLM's CPU build rebinds kernels at every engine start by scanning all loaded modules and
+    calling `vars(x).get(...)` on their attributes; an object whose `__getattr__` answers any
+    name (llvmlite's `ffi.lib`, loaded with numba, which bm25s imports when present) makes that
+    scan raise. Give the scan a `vars` that returns a mapping or nothing (a module global
+    shadows the builtin for that module only); builds without the scan are left alone."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return
+    if hasattr(dispatcher, "_rebind_kernels"):
+        dispatcher.vars = _mapping_vars
 
 
 def merged_state(model: torch.nn.Module):
@@ -122,8 +147,9 @@ class VLLMEngine:
             with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.on_cuda else []):
                 self.llm = self._start(vllm, model_path, cfg, seed, dtype, max_model_len, kv_bytes)
         except Exception as e:  # noqa: BLE001 - any engine start-up failure is one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ModelLoadError(f"vLLM could not start on '{model_path}': {type(e).__name__}: {first}") from None
+            said = " ".join(str(e).split())  # vLLM's config errors span lines: keep them, on one
+            said = said if len(said) <= 400 else said[:400] + " ..."
+            raise ModelLoadError(f"vLLM could not start on '{model_path}': {type(e).__name__}: {said}") from None
         self._sleeping: set[str] = set()
         log.info("vLLM engine ready in %.1f s", time.perf_counter() - t0)
         self.weights_updated(model)  # the trainer's weights (LoRA merged, a resumed checkpoint)
