@@ -27,6 +27,7 @@ imported) for the weight push to reach the model without serialising it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -80,9 +81,10 @@ def _guard_kernel_scan() -> None:
         dispatcher.vars = _mapping_vars
 
 
-def merged_state(model: torch.nn.Module):
+def merged_state(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """(name, tensor) of the policy's weights as a plain checkpoint names them: LoRA adapters
-    added into their base weights (W + scale * B @ A), computed aside, the model unchanged."""
+    added into their base weights (W + scale * B @ A), computed aside, the model unchanged;
+    floating-point tensors cast to `dtype` (the engine's) when given."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     deltas: dict[str, torch.Tensor] = {}
     if base is not model:
@@ -99,6 +101,8 @@ def merged_state(model: torch.nn.Module):
         tensor = param.detach()
         if name in deltas:
             tensor = tensor + deltas[name].to(tensor.dtype)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         yield name.replace(".base_layer.", "."), tensor
 
 
@@ -110,6 +114,18 @@ def _refresh_tied_head(worker) -> None:
     config = getattr(model, "config", None)
     if head is not None and getattr(config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+@contextlib.contextmanager
+def _quiet(name: str, level: int = logging.ERROR):
+    """Raise logger `name`'s level inside the block."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(max(level, before))
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 class VLLMEngine:
@@ -130,6 +146,7 @@ class VLLMEngine:
         reads its config and tokenizer there; its weights are the trainer's, pushed below)."""
         vllm = import_vllm()
         self.model, self.tokenizer = model, tokenizer
+        self.dtype = dtype
         self.sleep_level = cfg.sleep_level
         self.on_cuda = next(model.parameters()).device.type == "cuda"
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -194,11 +211,13 @@ class VLLMEngine:
         (its blocks hold keys and values of the old weights)."""
         t0 = time.perf_counter()
         self._wake(["weights"])
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": merged_state(model), "is_checkpoint_format": True}
-        )
-        self.llm.collective_rpc(_refresh_tied_head)
-        self.llm.reset_prefix_cache()
+        with _quiet("vllm"):  # a line per push, and one per weightless layer: not the user's business
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": merged_state(model, self.dtype), "is_checkpoint_format": True},
+            )
+            self.llm.collective_rpc(_refresh_tied_head)
+            self.llm.reset_prefix_cache()
         self.push_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ sampling
