@@ -46,8 +46,10 @@ class Session(Protocol):
         new_tokens: list[list[int]],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        new_images: list[list] | None = None,
     ) -> list[Generation]:
-        """Append `new_tokens[i]` to row `rows[i]`'s context and sample its continuation."""
+        """Append `new_tokens[i]` (holding the tokens of the images `new_images[i]`, for a VLM
+        policy) to row `rows[i]`'s context and sample its continuation."""
         ...
 
     def release(self, row: int) -> None:
@@ -74,13 +76,16 @@ class RolloutEngine(Protocol):
         params: SamplingParams,
         generator: torch.Generator | None = None,
         on_group_done: GroupDone | None = None,
+        images: list[list] | None = None,
     ) -> list[Generation]:
         """n continuations of every prompt, prompt-major; `on_group_done(i, generations)` as soon
-        as prompt i's n samples have all ended."""
+        as prompt i's n samples have all ended. `images[i]`: prompt i's images (VLM policies)."""
         ...
 
-    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True) -> Session:
-        """A multi-turn session over the n samples of every prompt."""
+    def open_session(
+        self, prompts: list[list[int]], n: int, reuse_cache: bool = True, images: list[list] | None = None
+    ) -> Session:
+        """A multi-turn session over the n samples of every prompt (`images[i]`: prompt i's)."""
         ...
 
     def weights_updated(self, model: torch.nn.Module) -> None:
@@ -92,22 +97,27 @@ class ReprefillSession:
     """Turn generation through `engine.generate` alone: every turn feeds each conversation whole
     (an engine with prefix caching finds the shared part in its cache)."""
 
-    def __init__(self, engine: RolloutEngine, prompts: list[list[int]], n: int):
-        self.engine, self.prompts, self.n = engine, prompts, n
+    def __init__(self, engine: RolloutEngine, prompts: list[list[int]], n: int, images: list[list] | None = None):
+        self.engine, self.prompts, self.n, self.images = engine, prompts, n, images
         self.contexts = [list(prompts[k // n]) for k in range(len(prompts) * n)]
+        self.context_images = [list(images[k // n]) if images else [] for k in range(len(prompts) * n)]
         self.started = False
 
-    def generate(self, rows, new_tokens, params, generator=None) -> list[Generation]:
-        for k, ids in zip(rows, new_tokens):
+    def generate(self, rows, new_tokens, params, generator=None, new_images=None) -> list[Generation]:
+        for i, (k, ids) in enumerate(zip(rows, new_tokens)):
             self.contexts[k].extend(ids)
-        if not self.started and rows == list(range(len(self.contexts))):  # one prefill per group
-            generations = self.engine.generate(self.prompts, self.n, params, generator)
+            self.context_images[k].extend(new_images[i] if new_images else [])
+        first = not self.started and rows == list(range(len(self.contexts)))  # one prefill per group
+        # images only for a VLM policy: text engines need not know the argument
+        images = {} if self.images is None else {"images": self.images if first else [self.context_images[k] for k in rows]}
+        if first:
+            generations = self.engine.generate(self.prompts, self.n, params, generator, **images)
         else:
-            generations = self.engine.generate([self.contexts[k] for k in rows], 1, params, generator)
+            generations = self.engine.generate([self.contexts[k] for k in rows], 1, params, generator, **images)
         self.started = True
         for k, g in zip(rows, generations):
             self.contexts[k].extend(g.token_ids)
         return generations
 
     def release(self, row: int) -> None:
-        self.contexts[row] = []
+        self.contexts[row], self.context_images[row] = [], []

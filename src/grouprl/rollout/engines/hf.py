@@ -20,9 +20,16 @@ from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    banned: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from logits [A, V] -> [A]."""
+    """Draw one token per row from logits [A, V] -> [A]; `banned` token ids are never drawn
+    (a VLM's image tokens: the distribution is renormalised over the others, as the update's
+    log-probs are)."""
+    if banned is not None and banned.numel():
+        logits = logits.index_fill(-1, banned, float("-inf"))
     if params.temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / params.temperature
@@ -56,6 +63,11 @@ def _common_prefix_length(rows: list[list[int]]) -> int:
             k += 1
         length = k
     return length
+
+
+def _first(ids: list[int], token: int) -> int:
+    """Index of `token`'s first occurrence in `ids`, or len(ids)."""
+    return next((i for i, t in enumerate(ids) if t == token), len(ids))
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +148,15 @@ class HFEngine:
         share_prompt_prefill: bool = True,
         max_batch: int = 0,
         min_common_prefix: int = 16,
+        vision=None,
     ):
+        """`vision`: the policy's VLM family (grouprl.vision.families) when it reads images:
+        prompts then come with their images, and image tokens are never sampled."""
         self.model = model
+        self.vision = vision
+        self.banned = (
+            torch.tensor(vision.never_sampled(), dtype=torch.long) if vision is not None else None
+        )
         self.min_common_prefix = min_common_prefix
         self.tokenizer = tokenizer
         self.share_prompt_prefill = share_prompt_prefill
@@ -175,18 +194,21 @@ class HFEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         on_group_done: GroupDone | None = None,
+        images: list[list] | None = None,
     ) -> list[Generation]:
         """Sample n continuations of every prompt; output order is prompt-major
         (prompt 0 samples 0..n-1, prompt 1 ...). `on_group_done(i, generations)` is called as
         soon as prompt i's n samples have all ended (e.g. to start scoring them) while the
-        other prompts are still decoding."""
+        other prompts are still decoding. `images[i]`: prompt i's images (`ImageInput`s, in
+        the order of their tokens), for a VLM policy."""
         if not prompts:
             return []
         per_call = max(1, self.max_batch // n) if self.max_batch else len(prompts)
         out: list[Generation] = []
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
-            out.extend(self._generate_chunk(chunk, n, params, generator, on_group_done, start))
+            chunk_images = images[start : start + per_call] if images is not None else None
+            out.extend(self._generate_chunk(chunk, n, params, generator, on_group_done, start, chunk_images))
         return out
 
     def _generation(self, token_ids: list[int], finish_reason: str) -> Generation:
@@ -197,17 +219,18 @@ class HFEngine:
         )
 
     def _generate_chunk(
-        self, prompts, n, params, generator, on_group_done=None, group_offset=0
+        self, prompts, n, params, generator, on_group_done=None, group_offset=0, images=None
     ) -> list[Generation]:
         model = self.model
         was_training = model.training
         model.eval()
         if not self.share_prompt_prefill and n > 1:
             prompts = [p for p in prompts for _ in range(n)]
+            images = [x for x in images for _ in range(n)] if images is not None else None
             expand = 1
         else:
             expand = n
-        cache, logits, attention_mask, next_pos = self._prefill_prompts(prompts, expand)
+        cache, logits, attention_mask, next_pos = self._prefill_prompts(prompts, expand, images)
         total = logits.shape[0]  # rows are prompt-major either way: row r belongs to group r // n
         tokens: list[list[int]] = [[] for _ in range(total)]
         finish = ["length"] * total
@@ -229,8 +252,9 @@ class HFEngine:
             model.train()
         return [done.get(r) or self._generation(t, f) for r, (t, f) in enumerate(zip(tokens, finish))]
 
-    def _prefill_prompts(self, prompts: list[list[int]], expand: int):
-        """Prefill `prompts` (each then repeated `expand` times) into a fresh cache.
+    def _prefill_prompts(self, prompts: list[list[int]], expand: int, images: list[list] | None = None):
+        """Prefill `prompts` (each then repeated `expand` times; `images[i]`: prompt i's images)
+        into a fresh cache.
         -> (cache, logits [B*expand, V], attention_mask [B*expand, W], next_pos [B*expand])."""
         model, device = self.model, self.device
         cache = DynamicCache()
@@ -238,6 +262,8 @@ class HFEngine:
         # prefix is computed once and its cache shared by every row before the rest is prefilled.
         common = _common_prefix_length(prompts) if self.share_prompt_prefill and len(prompts) > 1 else 0
         common = min(common, min(len(p) for p in prompts) - 1)  # every row keeps >= 1 token to prefill
+        if self.vision is not None:  # the shared opening is text only: it ends before any image
+            common = min([common] + [_first(p, self.vision.image_token_id) for p in prompts])
         if common >= self.min_common_prefix:
             model(
                 input_ids=torch.tensor([prompts[0][:common]], device=device),
@@ -252,9 +278,9 @@ class HFEngine:
         suffix_ids, suffix_mask = left_pad([p[common:] for p in prompts], self.pad_token_id, device)
         # the padding sits between the shared prefix and each row's own tokens; it is masked out
         attention_mask = torch.cat([suffix_mask.new_ones((len(prompts), common)), suffix_mask], dim=-1)
-        position_ids = common + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
+        inputs, position_ids, next_pos = self._inputs(suffix_ids, suffix_mask, images, [common] * len(prompts))
         out = model(
-            input_ids=suffix_ids,
+            **inputs,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
@@ -263,13 +289,28 @@ class HFEngine:
         )
         self.prefill_tokens += common + sum(len(p) - common for p in prompts)
         logits = out.logits[:, -1, :]  # [B, V]
-        next_pos = position_ids[:, -1] + 1  # [B]
         if expand > 1:  # one prefill per group, the cache expanded to the n samples
             cache.batch_repeat_interleave(expand)
             logits = logits.repeat_interleave(expand, 0)
             attention_mask = attention_mask.repeat_interleave(expand, 0)
             next_pos = next_pos.repeat_interleave(expand, 0)
         return cache, logits, attention_mask, next_pos
+
+    def _inputs(self, ids: torch.Tensor, mask: torch.Tensor, images: list[list] | None, starts: list[int]):
+        """Model inputs of left-padded rows ids/mask [B, L] whose first token sits at
+        `starts[b]`: ({input_ids} or {inputs_embeds} with the rows' images), position ids
+        ([B, L], or [3, B, L] for multimodal rope), and the next position of each row [B]."""
+        if self.vision is None:
+            start = torch.tensor(starts, device=ids.device)[:, None]
+            position_ids = start + (mask.cumsum(-1) - 1).clamp(min=0)
+            return {"input_ids": ids}, position_ids, position_ids[:, -1] + 1
+        images = images if images is not None else [[] for _ in range(len(ids))]
+        flat = [image for row in images for image in row]
+        embeds = self.vision.embed(self.model, ids, flat)
+        position_ids = self.vision.batch_positions(ids, mask, images, starts)
+        rows = position_ids if position_ids.dim() == 2 else position_ids.amax(0)  # [B, L]
+        next_pos = rows.masked_fill(mask == 0, -1).amax(-1) + 1
+        return {"inputs_embeds": embeds}, position_ids, next_pos
 
     def _decode(self, cache, logits, attention_mask, next_pos, params, *args, **kwargs):
         """`_decode_steps` (same arguments) on a cache with room for `max_new_tokens` more tokens,
@@ -306,7 +347,7 @@ class HFEngine:
         stop_ends = {s[-1] for s in params.stop if s}
 
         for step in range(params.max_new_tokens):
-            next_tokens = sample_next(logits, params, generator)  # [A]
+            next_tokens = sample_next(logits, params, generator, self._banned(logits))  # [A]
             done_rows: list[int] = []
             for row, tok in enumerate(next_tokens.tolist()):
                 idx = int(active[row])
@@ -348,11 +389,18 @@ class HFEngine:
             next_pos = next_pos + 1
         return tokens, finish
 
-    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True):
+    def _banned(self, logits: torch.Tensor) -> torch.Tensor | None:
+        if self.banned is not None and self.banned.device != logits.device:
+            self.banned = self.banned.to(logits.device)
+        return self.banned
+
+    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True, images=None):
         """A multi-turn session over the n samples of every prompt (rows prompt-major): each row
         keeps its KV cache between turns (`KVSession`), or, without `reuse_cache`, every turn
         feeds the conversation whole."""
-        return KVSession(self, prompts, n) if reuse_cache else ReprefillSession(self, prompts, n)
+        if reuse_cache:
+            return KVSession(self, prompts, n, images)
+        return ReprefillSession(self, prompts, n, images)
 
     def weights_updated(self, model) -> None:
         """The engine runs `model` itself: its next rollout already uses the new weights."""
@@ -371,11 +419,16 @@ class KVSession:
     the row's next feed. Assumes full attention (no sliding window shorter than the context).
     """
 
-    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int):
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int, images: list[list] | None = None):
         self.engine, self.prompts, self.n = engine, prompts, n
+        self.images = images  # per prompt, for a VLM policy
         rows = len(prompts) * n
         self.parked: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * rows
         self.unfed: list[list[int]] = [list(prompts[r // n]) for r in range(rows)]  # context not in the cache
+        # images whose tokens are in `unfed`, and where each row's next token sits (the cache
+        # length for text; multimodal rope runs ahead of it after an image)
+        self.unfed_images: list[list] = [list(images[r // n]) if images else [] for r in range(rows)]
+        self.next_pos = [0] * rows
         self.started = False
 
     @torch.no_grad()
@@ -385,20 +438,31 @@ class KVSession:
         new_tokens: list[list[int]],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        new_images: list[list] | None = None,
     ) -> list[Generation]:
-        """Append `new_tokens[i]` to row `rows[i]`'s context and sample its continuation."""
+        """Append `new_tokens[i]` (with the images `new_images[i]` whose tokens it holds) to row
+        `rows[i]`'s context and sample its continuation."""
         engine, model = self.engine, self.engine.model
         was_training = model.training
         model.eval()
+        new_images = new_images if new_images is not None else [[] for _ in rows]
         if not self.started and rows == list(range(len(self.parked))) and not any(new_tokens):
             expand = self.n if engine.share_prompt_prefill else 1
-            prompts = self.prompts if expand > 1 else [p for p in self.prompts for _ in range(self.n)]
-            batch = engine._prefill_prompts(prompts, expand)  # one prefill per group, as generate does
+            prompts, images = self.prompts, self.images
+            if expand == 1:
+                prompts = [p for p in self.prompts for _ in range(self.n)]
+                images = [x for x in images for _ in range(self.n)] if images is not None else None
+            batch = engine._prefill_prompts(prompts, expand, images)  # one prefill per group, as generate does
         else:
-            batch = self._prefill_rows(rows, [self.unfed[r] + list(t) for r, t in zip(rows, new_tokens)])
+            batch = self._prefill_rows(
+                rows,
+                [self.unfed[r] + list(t) for r, t in zip(rows, new_tokens)],
+                [self.unfed_images[r] + list(x) for r, x in zip(rows, new_images)],
+            )
         self.started = True
+        starts = batch[3].tolist()  # the position of each row's first sampled token
         for r in rows:
-            self.parked[r], self.unfed[r] = None, []  # now inside the batch cache
+            self.parked[r], self.unfed[r], self.unfed_images[r] = None, [], []  # now inside the batch cache
 
         def park(batch_rows, out_rows, cache, attention_mask):
             for b, i in zip(batch_rows, out_rows):
@@ -409,8 +473,9 @@ class KVSession:
                 ]
 
         tokens, finish = engine._decode(*batch, params, generator, on_done=park)
-        for r, t in zip(rows, tokens):
+        for r, t, start in zip(rows, tokens, starts):
             self.unfed[r] = t[-1:]
+            self.next_pos[r] = start + len(t) - 1  # the unfed last token's position
         if was_training:
             model.train()
         return [
@@ -420,7 +485,7 @@ class KVSession:
             for t, f in zip(tokens, finish)
         ]
 
-    def _prefill_rows(self, rows: list[int], feeds: list[list[int]]):
+    def _prefill_rows(self, rows: list[int], feeds: list[list[int]], feed_images: list[list]):
         engine, device = self.engine, self.engine.device
         parked = [self.parked[r] for r in rows]
         lengths = torch.tensor([p[0][0].shape[1] if p else 0 for p in parked], device=device)  # [A]
@@ -447,9 +512,11 @@ class KVSession:
         ).long()  # [A, W]
         feed_ids, feed_mask = left_pad(feeds, engine.pad_token_id, device)
         attention_mask = torch.cat([past_mask, feed_mask], dim=-1)
-        position_ids = lengths[:, None] + (feed_mask.cumsum(-1) - 1).clamp(min=0)
+        inputs, position_ids, next_pos = engine._inputs(
+            feed_ids, feed_mask, feed_images, [self.next_pos[r] for r in rows]
+        )
         out = engine.model(
-            input_ids=feed_ids,
+            **inputs,
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=cache,
@@ -457,9 +524,9 @@ class KVSession:
             logits_to_keep=1,
         )
         engine.prefill_tokens += sum(len(f) for f in feeds)
-        return cache, out.logits[:, -1, :], attention_mask, position_ids[:, -1] + 1
+        return cache, out.logits[:, -1, :], attention_mask, next_pos
 
     def release(self, row: int) -> None:
         """Drop a finished row's cache."""
         self.parked[row] = None
-        self.unfed[row] = []
+        self.unfed[row], self.unfed_images[row] = [], []

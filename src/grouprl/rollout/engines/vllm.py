@@ -263,9 +263,12 @@ class VLLMEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         on_group_done: GroupDone | None = None,
+        images: list[list] | None = None,
     ) -> list[Generation]:
         """n samples of every prompt, prompt-major; a prompt's n samples are handed to
         `on_group_done` as soon as vLLM has finished all of them."""
+        if images is not None and any(images):
+            raise ValueError("the vllm engine takes text prompts only; VLM policies generate on rollout.engine=hf")
         if not prompts:
             return []
         self._wake(["weights", "kv_cache"])
@@ -295,7 +298,9 @@ class VLLMEngine:
         self._sleep()
         return [g for i in range(len(prompts)) for g in done[i]]
 
-    def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True) -> ReprefillSession:
+    def open_session(
+        self, prompts: list[list[int]], n: int, reuse_cache: bool = True, images: list[list] | None = None
+    ) -> ReprefillSession:
         """Every turn feeds each conversation whole; vLLM's prefix cache finds the part it has
         already computed, which takes the place of the hf engine's per-row KV reuse."""
-        return ReprefillSession(self, prompts, n)
+        return ReprefillSession(self, prompts, n, images)

@@ -1,0 +1,140 @@
+"""Tiny vision-language models built in the test (random weights, no hub): one per family.
+
+    model, tokenizer, vision = tiny_vlm("qwen2_vl")            # or qwen2_5_vl, idefics3
+    model, tokenizer, vision = tiny_vlm("idefics3", tmp_path)  # also saved there (model,
+                                                              # tokenizer, image processor)
+
+The tokenizer is the character tokenizer of `helpers` plus the family's image special tokens;
+the image processor is the family's PIL one (no torchvision) with small image sizes, so an image
+is a handful of tokens:
+- qwen2_vl / qwen2_5_vl: 14-pixel patches merged 2x2, images resized to 28-56 pixels a side:
+  a 56x56 image is a 4x4 patch grid, 4 image tokens;
+- idefics3: 32-pixel tiles of 8-pixel patches, pixel shuffle 2: 4 image tokens a tile, one tile
+  per image (no splitting) unless `split=True` (then a grid of tiles plus a global one).
+`colours` gives distinct, seeded test images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from helpers import char_tokenizer
+
+QWEN_SPECIALS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+IDEFICS_SPECIALS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "idefics3")
+
+
+def _text_config(vocab_size: int, init_std: float, **extra) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=init_std,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        **extra,
+    )
+
+
+def tiny_vlm(
+    family: str = "qwen2_vl",
+    folder: str | Path | None = None,
+    *,
+    seed: int = 0,
+    init_std: float = 0.2,
+    dtype: torch.dtype = torch.float32,
+    split: bool = False,
+    min_pixels: int = 0,
+    max_pixels: int = 0,
+):
+    """(model, tokenizer, VisionProcessor) of a seeded tiny VLM of `family`, in eval mode."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    from grouprl.vision.families import family_for
+    from grouprl.vision.processor import VisionProcessor
+
+    tokenizer = char_tokenizer()
+    specials = IDEFICS_SPECIALS if family == "idefics3" else QWEN_SPECIALS
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+    vocab = len(tokenizer)
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        text = _text_config(vocab, init_std, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+        tokens = dict(
+            image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+        )
+        if family == "qwen2_vl":
+            vision = dict(depth=2, embed_dim=16, num_heads=2, hidden_size=32, mlp_ratio=2, patch_size=14,
+                          spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std)
+            config = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        else:
+            vision = dict(depth=2, hidden_size=16, num_heads=2, out_hidden_size=32, intermediate_size=32,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                          fullatt_block_indexes=[1], initializer_range=init_std)
+            config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        image_processor = Qwen2VLImageProcessorPil(
+            min_pixels=min_pixels or 28 * 28, max_pixels=max_pixels or 56 * 56, patch_size=14, merge_size=2,
+            temporal_patch_size=2,
+        )
+    elif family == "idefics3":
+        from transformers import Idefics3Config
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=32, patch_size=8, initializer_range=init_std)
+        config = Idefics3Config(
+            text_config=_text_config(vocab, init_std, model_type="llama"),
+            vision_config=vision,
+            scale_factor=2,
+            image_token_id=ids["<image>"],
+            tie_word_embeddings=True,
+        )
+        image_processor = Idefics3ImageProcessorPil(
+            do_image_splitting=split,
+            size={"longest_edge": 64 if split else 32},
+            max_image_size={"longest_edge": 32},
+        )
+    else:
+        raise ValueError(f"unknown tiny VLM family {family!r}; allowed: {', '.join(FAMILIES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0, do_sample=False)
+    model.eval()
+    vision_processor = VisionProcessor(
+        tokenizer, family_for(model.config, tokenizer, image_processor),
+        min_pixels=0, max_pixels=0,
+    )
+    if folder is not None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        image_processor.save_pretrained(folder)
+    return model, tokenizer, vision_processor
+
+
+def colours(n: int, seed: int = 0, size: tuple[int, int] = (56, 56)):
+    """n PIL images of random blocky colours (distinct per index, same for the same seed)."""
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        small = (torch.rand((4, 4, 3), generator=gen) * 255).to(torch.uint8).numpy()
+        out.append(Image.fromarray(small).resize(size, Image.NEAREST))
+    return out
