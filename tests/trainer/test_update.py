@@ -512,8 +512,8 @@ def test_prompts_sharing_an_opening_run_it_once_with_the_same_gradient(model, mi
     monkeypatch.setattr(
         update_module,
         "prefix_forward",
-        lambda model, prompts, pad, opening=None: openings.append(prompts if opening is None else "rest")
-        or real_prefix_forward(model, prompts, pad, opening),
+        lambda model, prompts, pad, opening=None, *rest: openings.append(prompts if opening is None else "rest")
+        or real_prefix_forward(model, prompts, pad, opening, *rest),
     )
     cfg = actor_config(micro_batch_size=micro_batch_size, policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
     steps, _ = accumulated_grads(model, tensors, cfg)

@@ -30,6 +30,10 @@ class Trajectory:
     # [R] the engine's log-prob of each response token as it sampled it (0 where mask is 0);
     # None when the engine does not report them
     rollout_log_probs: list[float] | None = None
+    # VLM policies: the processed images (grouprl.vision ImageInput) whose tokens sit in the
+    # prompt and in the response (image observations), in token order: what the update feeds
+    prompt_images: list[Any] = field(default_factory=list)
+    response_images: list[Any] = field(default_factory=list)
     rewards: dict[str, float] = field(default_factory=dict)  # named components
     reward: float = 0.0  # composite
     advantage: float = 0.0

@@ -35,6 +35,10 @@ class ResponseBatch:
     prompt_ids: list[list[int]]  # N prompts (rows of a group share an identical list)
     response_ids: torch.Tensor  # [N, R] long, padded with anything
     response_mask: torch.Tensor  # [N, R] 1 on real response tokens (observations included)
+    # VLM policies: each row's images (grouprl.vision ImageInput), in the order of their tokens,
+    # in the prompt and in the response (image observations of multi-turn agents)
+    prompt_images: list[list] | None = None
+    response_images: list[list] | None = None
 
 
 def _decoder_and_head(model):
@@ -43,12 +47,23 @@ def _decoder_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def _token_stats(hidden: torch.Tensor, targets: torch.Tensor, head, temperature: float, with_entropy: bool):
+def _without(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    """Logits with the `banned` token ids (never sampled) at the dtype's lowest value: a
+    probability of exactly 0, and 0 * logit stays finite in the entropy."""
+    if banned is None or not banned.numel():
+        return logits
+    return logits.index_fill(-1, banned.to(logits.device), torch.finfo(logits.dtype).min)
+
+
+def _token_stats(
+    hidden: torch.Tensor, targets: torch.Tensor, head, temperature: float, with_entropy: bool, banned=None
+):
     """hidden [M, H], targets [M] -> log_probs [M] (and entropy [M])."""
     logits = head(hidden)  # [M, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
     if temperature != 1.0:
         logits = logits / temperature
+    logits = _without(logits, banned)
     log_z = torch.logsumexp(logits, dim=-1)  # [M]
     log_probs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     if not with_entropy:
@@ -104,14 +119,15 @@ class _LinearHeadStats(torch.autograd.Function):
     tensors). Under autocast the head's matmuls run in the autocast dtype, as autograd would."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_size, banned=None):
         device_type = hidden.device.type
         autocast = torch.is_autocast_enabled(device_type)
         ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), autocast)
         ctx.temperature, ctx.with_entropy, ctx.chunk_size = temperature, with_entropy, chunk_size
+        ctx.banned = banned
         lps, ents, log_zs = [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
-            z = _scaled_logits(hidden[start : start + chunk_size], weight, bias, temperature)
+            z = _scaled_logits(hidden[start : start + chunk_size], weight, bias, temperature, banned)
             log_z = torch.logsumexp(z, dim=-1)
             lps.append(z.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1) - log_z)
             if with_entropy:
@@ -146,7 +162,7 @@ class _LinearHeadStats(torch.autograd.Function):
             end = start + ctx.chunk_size
             h = hidden[start:end]
             with torch.autocast(device_type, dtype=dtype, enabled=autocast):
-                z = _scaled_logits(h, weight, bias, ctx.temperature)
+                z = _scaled_logits(h, weight, bias, ctx.temperature, ctx.banned)
             # in place: one [chunk, V] buffer (two with the entropy's gradient) at a time
             log_p = z.sub_(log_z[start:end, None])
             g_lp = grad_lp[start:end, None]
@@ -176,32 +192,36 @@ class _LinearHeadStats(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def _scaled_logits(hidden, weight, bias, temperature):
+def _scaled_logits(hidden, weight, bias, temperature, banned=None):
     logits = torch.nn.functional.linear(hidden, weight, bias)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
-    return logits / temperature if temperature != 1.0 else logits
+    return _without(logits / temperature if temperature != 1.0 else logits, banned)
 
 
-def chunked_token_stats(hidden, targets, head, *, temperature=1.0, with_entropy=False, chunk_size=256):
+def chunked_token_stats(
+    hidden, targets, head, *, temperature=1.0, with_entropy=False, chunk_size=256, banned=None
+):
     """Apply the LM head in chunks of positions; each chunk is recomputed in backward instead of
-    keeping its [chunk, V] logits alive. hidden [M, H], targets [M] -> ([M], [M])."""
+    keeping its [chunk, V] logits alive. hidden [M, H], targets [M] -> ([M], [M]). `banned`
+    token ids (never sampled) get probability 0: the distribution is the sampler's."""
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in head.parameters())
     )
     if needs_grad and hidden.shape[0] and _plain_linear(head):
         return _LinearHeadStats.apply(
-            hidden, head.weight, head.bias, targets, temperature, with_entropy, chunk_size
+            hidden, head.weight, head.bias, targets, temperature, with_entropy, chunk_size, banned
         )
     outs_lp, outs_ent = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_token_stats, h, t, head, temperature, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_token_stats, h, t, head, temperature, with_entropy, banned, use_reentrant=False)
         else:
-            lp, ent = _token_stats(h, t, head, temperature, with_entropy)
+            lp, ent = _token_stats(h, t, head, temperature, with_entropy, banned)
         outs_lp.append(lp)
         outs_ent.append(ent)
     if not outs_lp:
@@ -224,6 +244,7 @@ class Prefix:
     values: list[torch.Tensor]  # per layer [U, kv_heads, L, head_dim]
     last_hidden: torch.Tensor  # [U, H] predicts each prompt's first response token
     mask: torch.Tensor  # [U, L] attention mask (0 on left padding)
+    next_pos: list[int] | None = None  # [U] position of each prompt's first response token (VLMs)
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.keys, *self.values, self.last_hidden]
@@ -232,7 +253,11 @@ class Prefix:
         """Leaves that gather the gradient of several micro-batches before one prefix backward."""
         leaf = lambda t: t.detach().requires_grad_(t.requires_grad)  # noqa: E731
         return Prefix(
-            [leaf(k) for k in self.keys], [leaf(v) for v in self.values], leaf(self.last_hidden), self.mask
+            [leaf(k) for k in self.keys],
+            [leaf(v) for v in self.values],
+            leaf(self.last_hidden),
+            self.mask,
+            self.next_pos,
         )
 
     def backward_from(self, leaves: Prefix) -> None:
@@ -329,16 +354,32 @@ def shared_opening(prompts: list[list[int]], min_tokens: int = OPENING_MIN_TOKEN
 
 
 def prefix_forward(
-    model, prompts: list[list[int]], pad_token_id: int = 0, opening: Prefix | None = None
+    model,
+    prompts: list[list[int]],
+    pad_token_id: int = 0,
+    opening: Prefix | None = None,
+    vision=None,
+    images: list[list] | None = None,
 ) -> Prefix:
     """Run U prompts (left-padded) once; differentiable when grad is enabled. With `opening`
     (this function's result for one prompt that every prompt starts with, without padding) only
-    the rest of each prompt runs, on the opening's keys/values; the result is the same Prefix."""
+    the rest of each prompt runs, on the opening's keys/values; the result is the same Prefix.
+    With `vision` (a VLM family) the prompts' `images` enter as embeddings (the opening holds
+    none), at the family's positions."""
     decoder, _ = _decoder_and_head(model)
     device = next(model.parameters()).device
     start = 0 if opening is None else opening.mask.shape[1]
     prefix_ids, prefix_mask = left_pad([p[start:] for p in prompts], pad_token_id, device)  # [U, L]
-    prefix_pos = start + (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    next_pos = None
+    if vision is None:
+        inputs = {"input_ids": prefix_ids}
+        prefix_pos = start + (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    else:
+        images = images if images is not None else [[] for _ in prompts]
+        inputs = {"inputs_embeds": vision.embed(model, prefix_ids, [im for row in images for im in row])}
+        prefix_pos = vision.batch_positions(prefix_ids, prefix_mask, images, [start] * len(prompts))
+        rows = prefix_pos if prefix_pos.dim() == 2 else prefix_pos.amax(0)
+        next_pos = (rows.masked_fill(prefix_mask == 0, -1).amax(-1) + 1).tolist()
     if opening is None:
         cache = _cache_of([_RecordLayer() for _ in range(_num_layers(decoder))])
     else:
@@ -347,7 +388,7 @@ def prefix_forward(
         prefix_mask = torch.cat([opening.mask.expand(rows, -1), prefix_mask], -1)  # [U, start + L]
     with _cache_under_checkpointing(decoder):
         hidden = decoder(
-            input_ids=prefix_ids,
+            **inputs,
             attention_mask=prefix_mask,
             position_ids=prefix_pos,
             past_key_values=cache,
@@ -358,6 +399,7 @@ def prefix_forward(
         values=[layer.values for layer in cache.layers],
         last_hidden=hidden[:, -1],
         mask=prefix_mask,
+        next_pos=next_pos,
     )
 
 
@@ -373,30 +415,50 @@ def response_log_probs(
     prefix: Prefix | None = None,
     prefix_index: list[int] | None = None,
     opening: Prefix | None = None,
+    vision=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(response_t | prompt, response_<t) and the entropy of that distribution,
     both [N, R] (zero at padding). Differentiable when grad is enabled.
 
     With `prefix` (from `prefix_forward`), row i continues prompt `prefix_index[i]` of it and
     `batch.prompt_ids` is not read. With `opening` (shared prefix only), the prompts' common
-    opening has been run already (see `prefix_forward`)."""
+    opening has been run already (see `prefix_forward`). With `vision` (the VLM family of the
+    policy) the batch's images enter every pass as generation fed them, and the tokens the
+    sampler never draws (image tokens) have probability 0 here too."""
     decoder, head = _decoder_and_head(model)
+    banned = torch.tensor(vision.never_sampled(), dtype=torch.long) if vision is not None else None
     if prefix is not None:
-        hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, prefix_index, batch)
+        hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, prefix_index, batch, vision, model)
     elif shared_prefix:
         prompts, index = unique_prompts(batch.prompt_ids)
-        hidden_at, targets, mask = _hidden_on_prefix(
-            decoder, prefix_forward(model, prompts, pad_token_id, opening), index, batch
-        )
+        images = None
+        if vision is not None:
+            first_row = {u: i for i, u in reversed(list(enumerate(index)))}
+            images = [batch.prompt_images[first_row[u]] if batch.prompt_images else [] for u in range(len(prompts))]
+        prefix = prefix_forward(model, prompts, pad_token_id, opening, vision, images)
+        hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, index, batch, vision, model)
     else:
-        hidden_at, targets, mask = _full_sequence_hidden(decoder, batch, pad_token_id)
+        hidden_at, targets, mask = _full_sequence_hidden(decoder, batch, pad_token_id, vision, model)
     lp, ent = chunked_token_stats(
-        hidden_at, targets, head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size
+        hidden_at,
+        targets,
+        head,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+        banned=banned,
     )
     return _scatter_rows(lp, mask), _scatter_rows(ent, mask)
 
 
-def _full_sequence_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
+def _row_images(batch: ResponseBatch, i: int) -> list:
+    """Row i's images in the order of its tokens: the prompt's, then the response's."""
+    return (batch.prompt_images[i] if batch.prompt_images else []) + (
+        batch.response_images[i] if batch.response_images else []
+    )
+
+
+def _full_sequence_hidden(decoder, batch: ResponseBatch, pad_token_id: int, vision=None, model=None):
     """Each row runs prompt + response: hidden states at the positions that predict response tokens."""
     device = batch.response_ids.device
     n, r = batch.response_ids.shape
@@ -409,7 +471,16 @@ def _full_sequence_hidden(decoder, batch: ResponseBatch, pad_token_id: int):
         ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
         attn[i, : len(x)] = 1
     ids, attn = ids.to(device), attn.to(device)
-    hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [N, W, H]
+    if vision is None:
+        hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [N, W, H]
+    else:
+        images = [_row_images(batch, i) for i in range(n)]
+        hidden = decoder(
+            inputs_embeds=vision.embed(model, ids, [im for row in images for im in row]),
+            attention_mask=attn,
+            position_ids=vision.batch_positions(ids, attn, images),
+            use_cache=False,
+        ).last_hidden_state
     # response token t of row i sits at P_i + t and is predicted by position P_i + t - 1
     prompt_len = torch.tensor([len(p) for p in batch.prompt_ids], device=device)
     pos = prompt_len[:, None] - 1 + torch.arange(r, device=device)[None, :]  # [N, R]
@@ -444,11 +515,15 @@ def _pack(lengths: list[int], prefix_of_row: list[int], capacity: int) -> list[t
     return bins
 
 
-def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: ResponseBatch):
+def _hidden_on_prefix(
+    decoder, prefix: Prefix, prefix_index: list[int], batch: ResponseBatch, vision=None, model=None
+):
     """Responses run on their prompt's cache, packed: the responses of one prompt are laid end to
     end in one row (several rows when long), each attending to the prompt and causally to itself
     only, so no padding is computed and the prompt's cache is repeated per packed row, not per
-    response. The graph through the cache is kept."""
+    response. The graph through the cache is kept. With `vision`, a response's positions follow
+    its prompt's (multimodal rope runs ahead of the token count after an image) and its image
+    observations enter as embeddings."""
     device = batch.response_ids.device
     mask = batch.response_mask.bool()
     lengths = mask.sum(-1).tolist()
@@ -456,9 +531,11 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
     width = max(1, max(sum(lengths[i] for i in rows) for _, rows in bins))
     n_bins, n_prefix = len(bins), prefix.last_hidden.shape[0]
     ids = torch.zeros((n_bins, width), dtype=torch.long, device=device)
-    pos = torch.zeros((n_bins, width), dtype=torch.long, device=device)
+    dims = vision.position_dims if vision is not None else 1
+    pos = torch.zeros((dims, n_bins, width) if dims > 1 else (n_bins, width), dtype=torch.long, device=device)
+    bin_images: list = []  # response images in the order of their tokens in the packed rows
     segment = torch.full((n_bins, width), -1, dtype=torch.long, device=device)
-    start = prefix.mask.sum(-1).tolist()  # [U] first response position of each prompt
+    start = prefix.next_pos or prefix.mask.sum(-1).tolist()  # [U] first response position of each prompt
     predictor = []  # per row, where the hidden states predicting its tokens sit (see below)
     where = [None] * len(lengths)
     for b, (u, rows) in enumerate(bins):
@@ -466,7 +543,13 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
         for i in rows:
             n = lengths[i]
             ids[b, offset : offset + n] = batch.response_ids[i, :n]
-            pos[b, offset : offset + n] = torch.arange(start[u], start[u] + n, device=device)
+            if vision is None:
+                pos[b, offset : offset + n] = torch.arange(start[u], start[u] + n, device=device)
+            else:
+                images = batch.response_images[i] if batch.response_images else []
+                row = vision.row_positions(batch.response_ids[i, :n].tolist(), images, start[u]).to(device)
+                pos[..., b, offset : offset + n] = row
+                bin_images.extend(images)
             segment[b, offset : offset + n] = i
             where[i] = (u, b * width + offset)
             offset += n
@@ -485,9 +568,10 @@ def _hidden_on_prefix(decoder, prefix: Prefix, prefix_index: list[int], batch: R
     ).tril()
     same |= torch.eye(width, dtype=torch.bool, device=device) & (segment < 0)[:, :, None]
     attn = torch.cat([prefix.mask.bool().index_select(0, used)[:, None, :].expand(-1, width, -1), same], -1)
+    inputs = {"input_ids": ids} if vision is None else {"inputs_embeds": vision.embed(model, ids, bin_images)}
     with _cache_under_checkpointing(decoder):
         hidden = decoder(
-            input_ids=ids,
+            **inputs,
             attention_mask=attn[:, None],
             position_ids=pos,
             past_key_values=_cache_of([_ReadOnlyLayer(k, v) for k, v in zip(keys, values)]),

@@ -21,6 +21,7 @@ from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.logprobs import (
+    OPENING_MIN_TOKENS,
     Prefix,
     ResponseBatch,
     head_grad_into_param,
@@ -45,11 +46,19 @@ class StepTensors:
     old_log_probs: torch.Tensor | None = None  # [N, R]
     ref_log_probs: torch.Tensor | None = None  # [N, R]
     rollout_log_probs: torch.Tensor | None = None  # [N, R] the engine's, when it reports them
+    # VLM policies: each row's images (prompt's, response's), the very inputs generation ran
+    prompt_images: list[list] | None = None
+    response_images: list[list] | None = None
 
     def rows(self, index: list[int]) -> ResponseBatch:
         idx = torch.tensor(index, device=self.response_ids.device)
+        pick = lambda rows: [rows[i] for i in index] if rows is not None else None  # noqa: E731
         return ResponseBatch(
-            [self.prompt_ids[i] for i in index], self.response_ids[idx], self.response_mask[idx]
+            [self.prompt_ids[i] for i in index],
+            self.response_ids[idx],
+            self.response_mask[idx],
+            prompt_images=pick(self.prompt_images),
+            response_images=pick(self.response_images),
         )
 
 
@@ -73,7 +82,10 @@ def build_step_tensors(
             loss_mask[i, :r] = torch.tensor(t.loss_mask, dtype=torch.float32)
         if rollout_log_probs is not None:
             rollout_log_probs[i, :r] = torch.tensor(t.rollout_log_probs, dtype=torch.float32)
+    with_images = any(t.prompt_images or t.response_images for t in trajectories)
     return StepTensors(
+        prompt_images=[list(t.prompt_images) for t in trajectories] if with_images else None,
+        response_images=[list(t.response_images) for t in trajectories] if with_images else None,
         prompt_ids=[t.prompt_ids for t in trajectories],
         response_ids=response_ids.to(device),
         response_mask=response_mask.to(device),
@@ -115,11 +127,13 @@ class PolicyUpdater:
         compute_dtype: torch.dtype | None = None,
         rollout_is: str = "off",
         rollout_is_cap: float = 2.0,
+        vision=None,
     ):
         """`rollout_is` ("off" | "token" | "sequence"): truncated importance weights of an
         engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs, capped at
         `rollout_is_cap`, multiply each token's policy-gradient loss."""
         self.cfg = cfg
+        self.vision = vision  # the VLM family of the policy (grouprl.vision), None for text
         self.rollout_is, self.rollout_is_cap = rollout_is, rollout_is_cap
         self._recorded: torch.Tensor | None = None  # [N, R] on-policy log-probs of the current update
         self.compute_dtype = compute_dtype  # autocast dtype of forward passes (None = parameter dtype)
@@ -152,6 +166,7 @@ class PolicyUpdater:
                 prefix=prefix,
                 prefix_index=[unit.prompt_of_row[r] for r in index] if prefix is not None else None,
                 opening=opening,
+                vision=self.vision,
             )
 
     def _autocast(self, model):
@@ -160,9 +175,13 @@ class PolicyUpdater:
             return contextlib.nullcontext()
         return torch.autocast(device_type=next(model.parameters()).device.type, dtype=self.compute_dtype)
 
-    def _prefix(self, model, unit: PrefixUnit, opening: Prefix | None = None) -> Prefix:
+    def _prefix(self, model, unit: PrefixUnit, tensors: StepTensors, opening: Prefix | None = None) -> Prefix:
+        images = None
+        if self.vision is not None and tensors.prompt_images is not None:
+            row_of = {u: r for r, u in unit.prompt_of_row.items()}
+            images = [tensors.prompt_images[row_of[u]] for u in range(len(unit.prompts))]
         with self._autocast(model):
-            return prefix_forward(model, unit.prompts, self.pad_token_id, opening)
+            return prefix_forward(model, unit.prompts, self.pad_token_id, opening, self.vision, images)
 
     def opening_forward(self, model, tensors: StepTensors, rows: list[int]) -> Prefix | None:
         """The opening that the distinct prompts of `rows` share (a system prompt, example turns),
@@ -170,6 +189,10 @@ class PolicyUpdater:
         if not (self.cfg.shared_prefix and self.cfg.shared_opening):
             return None
         tokens = shared_opening([tensors.prompt_ids[r] for r in rows])
+        if self.vision is not None:  # text only: it ends before the first image
+            image = self.vision.image_token_id
+            tokens = tokens[: next((i for i, t in enumerate(tokens) if t == image), len(tokens))]
+            tokens = tokens if len(tokens) >= OPENING_MIN_TOKENS else []
         if not tokens:
             return None
         with self._autocast(model):
@@ -198,7 +221,7 @@ class PolicyUpdater:
         rows = list(range(len(tensors.prompt_ids)))
         opening = self.opening_forward(model, tensors, rows)
         for unit in self.plan(tensors, rows):
-            prefix = self._prefix(model, unit, opening) if len(unit.micro_batches) > 1 else None
+            prefix = self._prefix(model, unit, tensors, opening) if len(unit.micro_batches) > 1 else None
             for index in unit.micro_batches:
                 lp, _ = self.log_probs(model, tensors, index, prefix=prefix, unit=unit, opening=opening)
                 if out is None:
@@ -253,7 +276,7 @@ class PolicyUpdater:
                 for unit in self.plan(tensors, mini):
                     # a group split over several micro-batches runs its prompt once: the
                     # micro-batches backpropagate into the prefix's leaves, then the prefix once
-                    prefix = self._prefix(model, unit, opened) if len(unit.micro_batches) > 1 else None
+                    prefix = self._prefix(model, unit, tensors, opened) if len(unit.micro_batches) > 1 else None
                     leaves = prefix.detached() if prefix is not None else None
                     for micro in unit.micro_batches:
                         weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)

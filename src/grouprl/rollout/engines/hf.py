@@ -149,10 +149,15 @@ class HFEngine:
         max_batch: int = 0,
         min_common_prefix: int = 16,
         vision=None,
+        report_log_probs: bool = False,
     ):
         """`vision`: the policy's VLM family (grouprl.vision.families) when it reads images:
-        prompts then come with their images, and image tokens are never sampled."""
+        prompts then come with their images, and image tokens are never sampled.
+        `report_log_probs`: each Generation carries the log-prob of every sampled token under
+        the sampling distribution at the temperature (before top-k / top-p), as the update
+        computes it."""
         self.model = model
+        self.report_log_probs = report_log_probs
         self.vision = vision
         self.banned = (
             torch.tensor(vision.never_sampled(), dtype=torch.long) if vision is not None else None
@@ -211,11 +216,12 @@ class HFEngine:
             out.extend(self._generate_chunk(chunk, n, params, generator, on_group_done, start, chunk_images))
         return out
 
-    def _generation(self, token_ids: list[int], finish_reason: str) -> Generation:
+    def _generation(self, token_ids: list[int], finish_reason: str, log_probs=None) -> Generation:
         return Generation(
             token_ids=token_ids,
             text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
             finish_reason=finish_reason,
+            log_probs=log_probs,
         )
 
     def _generate_chunk(
@@ -234,6 +240,7 @@ class HFEngine:
         total = logits.shape[0]  # rows are prompt-major either way: row r belongs to group r // n
         tokens: list[list[int]] = [[] for _ in range(total)]
         finish = ["length"] * total
+        lps = [[] for _ in range(total)] if self.report_log_probs else None
         done: dict[int, Generation] = {}
         on_done = None
         if on_group_done is not None:
@@ -241,16 +248,19 @@ class HFEngine:
 
             def on_done(batch_rows, out_rows, cache, attention_mask):
                 for r in out_rows:
-                    done[r] = self._generation(tokens[r], finish[r])
+                    done[r] = self._generation(tokens[r], finish[r], lps[r] if lps else None)
                     remaining[r // n] -= 1
                     if remaining[r // n] == 0:
                         g = r // n
                         on_group_done(group_offset + g, [done[k] for k in range(g * n, (g + 1) * n)])
 
-        self._decode(cache, logits, attention_mask, next_pos, params, generator, on_done, tokens, finish)
+        self._decode(cache, logits, attention_mask, next_pos, params, generator, on_done, tokens, finish, lps)
         if was_training:
             model.train()
-        return [done.get(r) or self._generation(t, f) for r, (t, f) in enumerate(zip(tokens, finish))]
+        return [
+            done.get(r) or self._generation(t, f, lps[r] if lps else None)
+            for r, (t, f) in enumerate(zip(tokens, finish))
+        ]
 
     def _prefill_prompts(self, prompts: list[list[int]], expand: int, images: list[list] | None = None):
         """Prefill `prompts` (each then repeated `expand` times; `images[i]`: prompt i's images)
@@ -330,13 +340,15 @@ class HFEngine:
         on_done=None,
         tokens=None,
         finish=None,
+        log_probs=None,
     ):
         """Sample until every row has ended; rows that end leave the batch.
 
         on_done(batch_rows, out_rows, cache, attention_mask), when given, is called with the rows
         that have just ended (their positions in the current batch and in the output) while
         their KV is still in `cache`; the cache then covers every token but each row's last.
-        `tokens` / `finish`, when given, are filled in place (so on_done can read them).
+        `tokens` / `finish` (and `log_probs`, which only then are computed), when given, are
+        filled in place (so on_done can read them).
         -> (tokens per row, finish reason per row)."""
         device = self.device
         total = logits.shape[0]
@@ -348,10 +360,14 @@ class HFEngine:
 
         for step in range(params.max_new_tokens):
             next_tokens = sample_next(logits, params, generator, self._banned(logits))  # [A]
+            if log_probs is not None:
+                step_lp = self._log_probs(logits, next_tokens, params.temperature)
             done_rows: list[int] = []
             for row, tok in enumerate(next_tokens.tolist()):
                 idx = int(active[row])
                 tokens[idx].append(tok)
+                if log_probs is not None:
+                    log_probs[idx].append(step_lp[row])
                 if tok in self.eos_token_ids:
                     finish[idx] = "eos"
                     done_rows.append(row)
@@ -388,6 +404,13 @@ class HFEngine:
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         return tokens, finish
+
+    def _log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> list[float]:
+        scaled = logits.float() / (temperature or 1.0)
+        banned = self._banned(logits)
+        if banned is not None and banned.numel():
+            scaled = scaled.index_fill(-1, banned, float("-inf"))
+        return torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
 
     def _banned(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.banned is not None and self.banned.device != logits.device:
@@ -472,17 +495,15 @@ class KVSession:
                     for layer in cache.layers
                 ]
 
-        tokens, finish = engine._decode(*batch, params, generator, on_done=park)
+        lps = [[] for _ in rows] if engine.report_log_probs else None
+        tokens, finish = engine._decode(*batch, params, generator, on_done=park, log_probs=lps)
         for r, t, start in zip(rows, tokens, starts):
             self.unfed[r] = t[-1:]
             self.next_pos[r] = start + len(t) - 1  # the unfed last token's position
         if was_training:
             model.train()
         return [
-            Generation(
-                token_ids=t, text=engine.tokenizer.decode(t, skip_special_tokens=True), finish_reason=f
-            )
-            for t, f in zip(tokens, finish)
+            engine._generation(t, f, lps[k] if lps else None) for k, (t, f) in enumerate(zip(tokens, finish))
         ]
 
     def _prefill_rows(self, rows: list[int], feeds: list[list[int]], feed_images: list[list]):
