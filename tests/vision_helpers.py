@@ -51,17 +51,20 @@ def tiny_vlm(
     *,
     seed: int = 0,
     init_std: float = 0.2,
+    vision_init_std: float | None = None,
     dtype: torch.dtype = torch.float32,
     split: bool = False,
     min_pixels: int = 0,
     max_pixels: int = 0,
 ):
-    """(model, tokenizer, VisionProcessor) of a seeded tiny VLM of `family`, in eval mode."""
+    """(model, tokenizer, VisionProcessor) of a seeded tiny VLM of `family`, in eval mode.
+    `vision_init_std`: the vision tower's init std (default: `init_std`)."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     from grouprl.vision.families import family_for
     from grouprl.vision.processor import VisionProcessor
 
+    vision_std = init_std if vision_init_std is None else vision_init_std
     tokenizer = char_tokenizer()
     specials = IDEFICS_SPECIALS if family == "idefics3" else QWEN_SPECIALS
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
@@ -80,12 +83,12 @@ def tiny_vlm(
         )
         if family == "qwen2_vl":
             vision = dict(depth=2, embed_dim=16, num_heads=2, hidden_size=32, mlp_ratio=2, patch_size=14,
-                          spatial_merge_size=2, temporal_patch_size=2, initializer_range=init_std)
+                          spatial_merge_size=2, temporal_patch_size=2, initializer_range=vision_std)
             config = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
         else:
             vision = dict(depth=2, hidden_size=16, num_heads=2, out_hidden_size=32, intermediate_size=32,
                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                          fullatt_block_indexes=[1], initializer_range=init_std)
+                          fullatt_block_indexes=[1], initializer_range=vision_std)
             config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
         image_processor = Qwen2VLImageProcessorPil(
             min_pixels=min_pixels or 28 * 28, max_pixels=max_pixels or 56 * 56, patch_size=14, merge_size=2,
@@ -96,7 +99,7 @@ def tiny_vlm(
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=32, patch_size=8, initializer_range=init_std)
+                      image_size=32, patch_size=8, initializer_range=vision_std)
         config = Idefics3Config(
             text_config=_text_config(vocab, init_std, model_type="llama"),
             vision_config=vision,

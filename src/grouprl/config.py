@@ -53,6 +53,10 @@ class DataConfig:
     """Built-in tasks: include one worked example turn in the prompt (small models need it)."""
     val_max_samples: int = 0
     """Evaluate on at most this many held-out samples (0 = all)."""
+    image_min_pixels: int = 0
+    """VLM policies: images smaller than this many pixels are scaled up (aspect kept) before the processor; 0 = no bound."""
+    image_max_pixels: int = 0
+    """VLM policies: images larger than this many pixels are scaled down (aspect kept) before the processor; 0 = the processor's own limit."""
 
 
 @dataclass
@@ -65,6 +69,8 @@ class LoraConfig:
     """Dropout on the LoRA input."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names to adapt, or ["all-linear"]."""
+    target_vision: bool = False
+    """VLM policies: adapt the vision tower and connector too (default: the language model only)."""
 
 
 @dataclass
@@ -87,6 +93,10 @@ class ModelConfig:
     """Attention kernel passed to from_pretrained (e.g. sdpa, eager, flash_attention_2)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Parameter-efficient fine-tuning through peft."""
+    freeze_vision_tower: bool = True
+    """VLM policies: keep the vision encoder's weights fixed (the connector/projector still trains; Qwen's merger is part of its tower)."""
+    freeze_language_model: bool = False
+    """VLM policies: keep the language model (embeddings and head included) fixed, e.g. to warm up the vision tower and connector by SFT."""
     cache_dir: str = "~/.cache/grouprl"
     """Where converted models (GGUF -> safetensors) are cached."""
 
@@ -113,6 +123,8 @@ class RolloutConfig:
     """Most sequences generated at once (0 = the whole batch)."""
     share_prompt_prefill: bool = True
     """Prefill each group's prompt once and expand its KV cache to the n_agent samples."""
+    check_log_probs: bool = False
+    """hf engine: record each sampled token's log-prob and log how far the update's are from them (rollout/mismatch_*): a check that training sees what generation saw."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -943,6 +955,12 @@ def validate(cfg: Config) -> Config:
         f"config key 'actor.dual_clip' must be > 1.0 or null, got {cfg.actor.dual_clip!r}",
     )
     need(cfg.actor.ppo_epochs >= 1, "config key 'actor.ppo_epochs' must be >= 1")
+    need(cfg.data.image_min_pixels >= 0, "config key 'data.image_min_pixels' must be >= 0 (0 = no bound)")
+    need(cfg.data.image_max_pixels >= 0, "config key 'data.image_max_pixels' must be >= 0 (0 = the processor's)")
+    need(
+        not cfg.data.image_max_pixels or cfg.data.image_min_pixels <= cfg.data.image_max_pixels,
+        "config key 'data.image_min_pixels' must not exceed 'data.image_max_pixels'",
+    )
     need(cfg.algorithm.rollout_is_cap > 0, "config key 'algorithm.rollout_is_cap' must be > 0")
     need(
         cfg.algorithm.rollout_is == "off" or cfg.rollout.engine != "hf",

@@ -1,4 +1,5 @@
 import hashlib
+import io
 import json
 import logging
 
@@ -21,16 +22,27 @@ def write_jsonl(path, rows):
     return str(path)
 
 
+def png_bytes(colour=(200, 30, 30), size=(8, 6)) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+PNG = png_bytes()
+
+
 def verl_table():
     """The VRAG/verl layout: nested prompt list, reward_model struct, extra_info struct, image bytes."""
     return pa.table(
         {
             "data_source": ["slidevqa", "slidevqa"],
             "prompt": [
-                [{"role": "system", "content": "Search first."}, {"role": "user", "content": "Who won?"}],
+                [{"role": "system", "content": "Search first."}, {"role": "user", "content": "<image>Who won?"}],
                 [{"role": "user", "content": "How many slides?"}],
             ],
-            "images": [[b"\x89PNG-a"], []],
+            "images": [[PNG], []],
             "reward_model": [
                 {"style": "rule", "ground_truth": "Alice"},
                 {"style": "rule", "ground_truth": "12"},
@@ -82,10 +94,10 @@ def test_verl_parquet(tmp_path):
     assert second.uid == "slides-1"
     assert first.messages == [
         {"role": "system", "content": "Search first."},
-        {"role": "user", "content": "Who won?"},
+        {"role": "user", "content": "<image>Who won?"},
     ]
     assert first.ground_truth == "Alice"
-    assert first.images == [b"\x89PNG-a"]
+    assert first.images == [PNG]
     assert first.data_source == "slidevqa"
     assert first.extra_info == {
         "index": 0,
@@ -248,3 +260,40 @@ def test_malformed_prompt_names_the_row(tmp_path):
 def test_empty_question_names_the_row(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": " ", "answer": "a"}])
     assert "row 0: 'question' must be non-empty text" in error_of([path])
+
+
+# ---------------------------------------------------------------- images
+def test_image_paths_resolve_against_the_data_file_and_placeholders_are_added(tmp_path):
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png_bytes())
+    (tmp_path / "img" / "b.png").write_bytes(png_bytes((0, 0, 255)))
+    rows = [
+        {"id": "q1", "question": "Which is red?", "answer": "a", "images": ["img/a.png", "img/b.png"]},
+        {"id": "q2", "question": "Look: <image> and say", "answer": "b", "images": ["img/b.png"]},
+    ]
+    first, second = load_samples([write_jsonl(tmp_path / "data.jsonl", rows)])
+    assert first.images == [str(tmp_path / "img" / "a.png"), str(tmp_path / "img" / "b.png")]
+    assert first.messages[-1]["content"] == "<image><image>Which is red?"  # one per image, up front
+    assert second.messages[-1]["content"] == "Look: <image> and say"  # placed by the user: kept
+
+
+@pytest.mark.parametrize(
+    "images, question, message",
+    [
+        (["gone.png"], "q <image>", "row 0: image 0: image file not found: {dir}/gone.png"),
+        ([b"not an image"], "q <image>", "row 0: image 0: unreadable image (UnidentifiedImageError: "),
+        (["ok.png"], "<image> and <image>", "row 0: 2 <image> placeholder(s) in the prompt but 1 image(s)"),
+        ([], "see <image>", "row 0: 1 <image> placeholder(s) in the prompt but 0 image(s)"),
+    ],
+)
+def test_bad_images_are_one_line_naming_the_row(tmp_path, images, question, message):
+    (tmp_path / "ok.png").write_bytes(png_bytes())
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_pylist([{"id": "q", "question": question, "answer": "x", "images": images}]), path)
+    with pytest.raises(DataError) as e:
+        load_samples([str(path)])
+    expected = f"{path} " + message.format(dir=tmp_path)
+    if expected.endswith(": "):  # the reader's own wording follows
+        assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+    else:
+        assert str(e.value) == expected

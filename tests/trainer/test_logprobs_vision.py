@@ -205,3 +205,31 @@ def test_the_update_scores_what_generation_sampled(family):
             got, _ = response_log_probs(model, batch, shared_prefix=shared, temperature=TEMPERATURE,
                                         vision=vision.family)
             torch.testing.assert_close(got[mask.bool()], sampled[mask.bool()], rtol=0, atol=2e-5)
+
+
+def test_prompts_with_the_same_text_and_other_images_are_two_prompts(setup):
+    """Two groups ask the same question of different images: equal token ids, so a prompt
+    identity by ids alone would run one group's image for both (the update would score the
+    other group blind to its own image)."""
+    family, model, vision = setup
+    red, blue = colours(2, seed=8)
+    ids_a, images_a = vision.encode([{"role": "user", "content": "<image> colour?"}], [red])
+    ids_b, images_b = vision.encode([{"role": "user", "content": "<image> colour?"}], [blue])
+    assert ids_a == ids_b and images_a[0].key != images_b[0].key
+    response = torch.randint(3, 90, (4, 5), generator=torch.Generator().manual_seed(0))
+    batch = ResponseBatch([ids_a] * 2 + [ids_b] * 2, response, torch.ones_like(response),
+                          prompt_images=[images_a] * 2 + [images_b] * 2, response_images=[[]] * 4)
+    with torch.no_grad():
+        want = reference(model, family, vision, batch)
+        got, _ = response_log_probs(model, batch, temperature=TEMPERATURE, vision=vision.family)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        updater = PolicyUpdater(ActorConfig(micro_batch_size=1), temperature=TEMPERATURE, pad_token_id=0,
+                                vision=vision.family)
+        from grouprl.trainer.update import StepTensors
+
+        tensors = StepTensors(prompt_ids=batch.prompt_ids, response_ids=response, response_mask=batch.response_mask,
+                              loss_mask=batch.response_mask.float(), advantages=torch.zeros(4),
+                              prompt_images=batch.prompt_images, response_images=batch.response_images)
+        units = updater.plan(tensors, [0, 1, 2, 3])
+        assert sorted(len(u.prompts) for u in units) == [1, 1]  # one prefix pass per group, two groups
+        torch.testing.assert_close(updater.score_all(model, tensors).double(), want, rtol=0, atol=1e-10)

@@ -17,6 +17,7 @@ from typing import Any
 
 from grouprl.data.sample import Sample
 from grouprl.errors import DataError
+from grouprl.vision.images import IMAGE_PLACEHOLDER, ImageError, check_image, count_placeholders, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _verl_sample(record: dict[str, Any], path: Path, row: int) -> Sample:
         uid=_uid(record, extra_info, path, messages),
         messages=messages,
         ground_truth=ground_truth,
-        images=list(record.get("images") or []),
+        images=_images(record, messages, path, row),
         data_source=str(record.get("data_source") or ""),
         extra_info=extra_info,
     )
@@ -169,10 +170,37 @@ def _plain_sample(record: dict[str, Any], path: Path, row: int) -> Sample:
         uid=_uid(record, extra_info, path, messages),
         messages=messages,
         ground_truth=record.get("answer"),
-        images=list(record.get("images") or []),
+        images=_images(record, messages, path, row),
         data_source=str(record.get("data_source") or ""),
         extra_info=extra_info,
     )
+
+
+def _images(record: dict[str, Any], messages: list[dict[str, Any]], path: Path, row: int) -> list[Any]:
+    """The row's images, relative paths made absolute against the data file's folder, each
+    checked readable; `<image>` placeholders must match them in number. A prompt without any
+    placeholder gets one per image in front of its first user message (the plain layout's
+    convention; a verl prompt usually has them)."""
+    images = record.get("images")
+    images = [] if images is None else images if isinstance(images, list) else [images]
+    placeholders = count_placeholders(messages)
+    if images and not placeholders:
+        user = next((m for m in messages if m.get("role") == "user"), None)
+        if user is not None and isinstance(user.get("content"), str):
+            user["content"] = IMAGE_PLACEHOLDER * len(images) + user["content"]
+            placeholders = len(images)
+    if placeholders != len(images):
+        raise DataError(
+            f"{path} row {row}: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the prompt but "
+            f"{len(images)} image(s)"
+        )
+    resolved = [resolve(image, path.parent) for image in images]
+    for k, image in enumerate(resolved):
+        try:
+            check_image(image)
+        except ImageError as e:
+            raise DataError(f"{path} row {row}: image {k}: {e}") from None
+    return resolved
 
 
 def _messages(prompt: Any, path: Path, row: int) -> list[dict[str, Any]]:

@@ -61,6 +61,7 @@ from grouprl.rollout.chat import ChatRenderer
 from grouprl.rollout.engines.base import Generation, RolloutEngine, SamplingParams
 from grouprl.rollout.tools.base import AgentState, Observation, Tool
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.vision.images import IMAGE_PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,12 @@ class AgentLoop:
         tools: dict[str, Tool],
         cfg: AgentConfig,
         answer_generator: AnswerGenerator | None = None,
+        vision: Any = None,
     ):
+        """`vision`: a VLM policy's processor (grouprl.vision VisionProcessor): observation
+        images (retrieved pages, crops) are shown to it as images in the next user turn."""
         self.engine = engine
+        self.vision = vision
         self.tokenizer = tokenizer
         self.tools = tools
         self.cfg = cfg
@@ -135,35 +140,47 @@ class AgentLoop:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         on_group_done: GroupCallback | None = None,
+        images: list[list] | None = None,
     ) -> list[Trajectory]:
         """n trajectories per prompt, prompt-major (prompt 0 samples 0..n-1, prompt 1 ...).
         params.max_new_tokens bounds each turn. `on_group_done(i, group)` gets prompt i's n
         trajectories, once, as soon as all of them are final (answer written), on the calling
         thread, while other groups may still be running; they are the objects returned at the
-        end and are not changed after the call."""
-        return asyncio.run(self.arun(samples, prompts, n, params, generator, on_group_done))
+        end and are not changed after the call. `images[i]`: prompt i's processed images."""
+        return asyncio.run(self.arun(samples, prompts, n, params, generator, on_group_done, images))
 
-    async def arun(self, samples, prompts, n, params, generator=None, on_group_done=None) -> list[Trajectory]:
+    async def arun(
+        self, samples, prompts, n, params, generator=None, on_group_done=None, images=None
+    ) -> list[Trajectory]:
         rollouts = [
             _Rollout(
                 AgentState(sample=samples[i], index=j),
-                Trajectory(sample=samples[i], index=j, prompt_ids=prompts[i], rollout_log_probs=[]),
+                Trajectory(
+                    sample=samples[i],
+                    index=j,
+                    prompt_ids=prompts[i],
+                    rollout_log_probs=[],
+                    prompt_images=list(images[i]) if images else [],
+                ),
             )
             for i in range(len(samples))
             for j in range(n)
         ]
         turn_params = replace(params, stop=list(dict.fromkeys([*params.stop, *STOP_STRINGS])))
-        session = self.engine.open_session(prompts, n, reuse_cache=self.cfg.reuse_kv_cache)
+        with_images = {"images": images} if self.vision is not None else {}
+        session = self.engine.open_session(prompts, n, reuse_cache=self.cfg.reuse_kv_cache, **with_images)
         prefill_before = self.engine.prefill_tokens
         active = list(range(len(rollouts)))
         new_tokens: list[list[int]] = [[] for _ in rollouts]  # appended since the row's last turn
+        new_images: list[list] = [[] for _ in rollouts]  # the images among them (VLM policies)
         groups = _Groups(rollouts, n, on_group_done)
         answering: list[_Answering] = []  # remote answer calls in flight
 
         for turn in range(self.cfg.max_turns):
             if not active:
                 break
-            generations = session.generate(active, [new_tokens[k] for k in active], turn_params, generator)
+            fed = {"new_images": [new_images[k] for k in active]} if self.vision is not None else {}
+            generations = session.generate(active, [new_tokens[k] for k in active], turn_params, generator, **fed)
             answering = self._settle(answering, groups)
             actions = [parse_action(g.text) for g in generations]
             for k, g in zip(active, generations):
@@ -185,7 +202,9 @@ class AgentLoop:
                     session.release(k)
                     ended.append(r)
                     continue
-                ids, text = self._observation(obs, g, next_is_last=turn + 1 == self.cfg.max_turns - 1)
+                ids, text, shown = self._observation(
+                    obs, g, next_is_last=turn + 1 == self.cfg.max_turns - 1, state=r.state, action=action
+                )
                 budget = self.cfg.max_response_tokens
                 if budget and len(r.trajectory.response_ids) + len(ids) >= budget:
                     self._unfinished(r, "length")
@@ -193,8 +212,9 @@ class AgentLoop:
                     ended.append(r)
                     continue
                 r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
+                r.trajectory.response_images.extend(shown)
                 r.trajectory.turns[-1]["masked_tokens"] = len(ids)
-                new_tokens[k] = ids
+                new_tokens[k], new_images[k] = ids, shown
                 still_active.append(k)
             active = still_active
             answering += await self._answer(ended, groups)
@@ -241,13 +261,25 @@ class AgentLoop:
             r.evidence.append(obs.text)
         return obs
 
-    def _observation(self, obs: Observation, g: Generation, next_is_last: bool) -> tuple[list[int], str]:
-        """Token ids (template rendering) and text of the observation that follows a segment."""
+    def _observation(
+        self, obs: Observation, g: Generation, next_is_last: bool, state: AgentState | None = None, action=None
+    ) -> tuple[list[int], str, list]:
+        """Token ids (template rendering), text and images (processed, for a VLM policy) of the
+        observation that follows a segment. A VLM sees the observation's images before its text;
+        the page a search shows is what <bbox> coordinates refer to, at the size the processor
+        gave it."""
         text = self._clip(obs.text)
         if next_is_last:
             text += "\n\n" + LAST_TURN["answer" if self.self_answer else "complete"]
         closing = g.token_ids[-1] if g.finish_reason == "eos" and g.token_ids else None
-        return self.chat.observation_ids(text, closing_token=closing), text
+        shown = [self.vision.prepare_image(image) for image in obs.images] if self.vision is not None else []
+        if not shown:
+            return self.chat.observation_ids(text, closing_token=closing), text, []
+        if state is not None and action is not None and action.kind == "search":
+            state.current_image_size = shown[0].shown_size
+        placed = IMAGE_PLACEHOLDER * len(shown) + text
+        ids = self.chat.observation_ids(placed, closing, images=shown, expand=self.vision.encode_text)
+        return ids, placed, shown
 
     def _clip(self, text: str) -> str:
         limit = self.cfg.max_observation_tokens

@@ -84,18 +84,23 @@ class ChatRenderer:
         text, cut = self._render(observation)
         return text[cut:]
 
-    def observation_ids(self, observation: str, closing_token: int | None = None) -> list[int]:
+    def observation_ids(
+        self, observation: str, closing_token: int | None = None, images: list | None = None, expand=None
+    ) -> list[int]:
         """Token ids to append after a policy segment: end of turn + observation + generation prompt.
 
         closing_token: the segment's last token when the segment ended at EOS. When that token
-        is the template's end-of-turn token, it is not written twice.
+        is the template's end-of-turn token, it is not written twice. images / expand: a VLM
+        policy's observation images, whose `<image>` placeholders in `observation` become their
+        tokens through `expand(text, images)` (grouprl.vision VisionProcessor.encode_text).
         """
         text, cut = self._render(observation)
-        whole, head = self._encode(text), self._encode(text[:cut])
+        encode = (lambda t: expand(t, images)) if images else self._encode
+        whole, head = encode(text), self._encode(text[:cut])
         if whole[: len(head)] == head:
             delta = whole[len(head) :]
         else:  # the tokenizer merged across the cut: tokenize the delta on its own
-            delta = self._encode(text[cut:])
+            delta = encode(text[cut:])
         if closing_token is not None and delta and delta[0] == closing_token:
             delta = delta[1:]
         return delta

@@ -9,9 +9,12 @@ import tempfile
 from pathlib import Path
 
 
-def export_model(model, tokenizer, target: Path, *, merge_lora: bool, meta: dict | None = None) -> Path:
+def export_model(
+    model, tokenizer, target: Path, *, merge_lora: bool, meta: dict | None = None, processor=None
+) -> Path:
     """save_pretrained into `target` via a temp folder. With LoRA: adapters only, or (merge_lora)
-    a merged copy that loads with plain from_pretrained."""
+    a merged copy that loads with plain from_pretrained. `processor` (a VLM's; anything with
+    save_pretrained) is saved beside the model, so the folder is a working VLM."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
@@ -23,6 +26,8 @@ def export_model(model, tokenizer, target: Path, *, merge_lora: bool, meta: dict
             to_save = copy.deepcopy(model).merge_and_unload()
         to_save.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
         if meta:
             (tmp / "grouprl_meta.json").write_text(json.dumps(meta, indent=2))
         if target.exists():

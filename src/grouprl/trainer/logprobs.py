@@ -40,6 +40,17 @@ class ResponseBatch:
     prompt_images: list[list] | None = None
     response_images: list[list] | None = None
 
+    def prompt_keys(self) -> list | None:
+        return prompt_keys(self.prompt_ids, self.prompt_images)
+
+
+def prompt_keys(prompt_ids: list[list[int]], prompt_images: list[list] | None) -> list | None:
+    """Per row, what makes two prompts the same prompt: their token ids and, for a VLM, their
+    images (equal ids with other images are another prompt); None for text (the ids do)."""
+    if not prompt_images:
+        return None
+    return [(tuple(p), tuple(im.key for im in images)) for p, images in zip(prompt_ids, prompt_images)]
+
 
 def _decoder_and_head(model):
     """The transformer body (returns hidden states) and the LM head, through a peft wrapper."""
@@ -329,11 +340,19 @@ def _num_layers(decoder) -> int:
     return len(decoder.layers)
 
 
-def unique_prompts(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Distinct prompts in first-seen order and, per row, the index of its prompt."""
-    unique: dict[tuple[int, ...], int] = {}
-    index = [unique.setdefault(tuple(p), len(unique)) for p in prompt_ids]
-    return [list(p) for p in unique], index
+def unique_prompts(prompt_ids: list[list[int]], keys: list | None = None) -> tuple[list[list[int]], list[int]]:
+    """Distinct prompts in first-seen order and, per row, the index of its prompt (prompts are
+    the same when their `keys` are, default their token ids)."""
+    keys = keys if keys is not None else [tuple(p) for p in prompt_ids]
+    unique: dict = {}
+    first: list[int] = []
+    index = []
+    for r, k in enumerate(keys):
+        if k not in unique:
+            unique[k] = len(unique)
+            first.append(r)
+        index.append(unique[k])
+    return [list(prompt_ids[r]) for r in first], index
 
 
 OPENING_MIN_TOKENS = 16
@@ -430,7 +449,7 @@ def response_log_probs(
     if prefix is not None:
         hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, prefix_index, batch, vision, model)
     elif shared_prefix:
-        prompts, index = unique_prompts(batch.prompt_ids)
+        prompts, index = unique_prompts(batch.prompt_ids, batch.prompt_keys())
         images = None
         if vision is not None:
             first_row = {u: i for i, u in reversed(list(enumerate(index)))}

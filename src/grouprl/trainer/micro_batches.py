@@ -47,8 +47,12 @@ def plan_micro_batches(
     max_rows: int,
     max_tokens: int = 0,
     shared_prefix: bool = True,
+    keys: list | None = None,
 ) -> list[PrefixUnit]:
     """Cut `rows` (indices into prompt_ids / response_lengths) into prefix units.
+
+    keys: per row, what makes two prompts the same prompt (default: their token ids; a VLM's
+    rows add their images, since equal ids with other images are another prompt).
 
     max_tokens = 0: at most `max_rows` rows per micro-batch. max_tokens > 0: at most that many
     padded tokens per micro-batch (distinct prompts + rows x longest response; without the
@@ -57,9 +61,10 @@ def plan_micro_batches(
     """
     if not rows:
         return []
-    groups: dict[tuple[int, ...], list[int]] = {}
+    key = (lambda r: keys[r]) if keys is not None else (lambda r: tuple(prompt_ids[r]))
+    groups: dict = {}
     for r in rows:
-        groups.setdefault(tuple(prompt_ids[r]), []).append(r)
+        groups.setdefault(key(r), []).append(r)
     # longest responses first, inside each group and across groups: neighbours have similar widths
     ordered = [sorted(g, key=lambda r: (-response_lengths[r], r)) for g in groups.values()]
     ordered.sort(key=lambda g: (-response_lengths[g[0]], g[0]))
@@ -68,13 +73,13 @@ def plan_micro_batches(
         flat = [r for g in ordered for r in g]
         width = [len(prompt_ids[r]) + response_lengths[r] for r in range(len(prompt_ids))]
         return [
-            _unit([micro], prompt_ids)
+            _unit([micro], prompt_ids, key)
             for micro in _pack(flat, lambda rs: len(rs) * max(width[r] for r in rs), max_rows, max_tokens)
         ]
 
     def cost(rs: list[int]) -> int:  # distinct prompts (padded to the longest) + padded responses
-        prompts = {tuple(prompt_ids[r]) for r in rs}
-        return len(prompts) * max(len(p) for p in prompts) + _padded_tokens(rs, response_lengths)
+        prompts = {key(r): len(prompt_ids[r]) for r in rs}
+        return len(prompts) * max(prompts.values()) + _padded_tokens(rs, response_lengths)
 
     units: list[PrefixUnit] = []
     current: list[int] = []  # whole groups sharing one micro-batch
@@ -83,7 +88,7 @@ def plan_micro_batches(
             current += group
             continue
         if current:
-            units.append(_unit([current], prompt_ids))
+            units.append(_unit([current], prompt_ids, key))
             current = []
         if _fits(group, cost, max_rows, max_tokens):
             current = list(group)
@@ -91,9 +96,9 @@ def plan_micro_batches(
             prompt_tokens = len(prompt_ids[group[0]])
             budget = max(max_tokens - prompt_tokens, 1) if max_tokens else 0
             micro = _pack(group, lambda rs: _padded_tokens(rs, response_lengths), max_rows, budget)
-            units.append(_unit(micro, prompt_ids))
+            units.append(_unit(micro, prompt_ids, key))
     if current:
-        units.append(_unit([current], prompt_ids))
+        units.append(_unit([current], prompt_ids, key))
     return units
 
 
@@ -112,7 +117,15 @@ def _pack(rows: list[int], cost, max_rows: int, max_tokens: int) -> list[list[in
     return out
 
 
-def _unit(micro_batches: list[list[int]], prompt_ids: list[list[int]]) -> PrefixUnit:
-    index: dict[tuple[int, ...], int] = {}
-    prompt_of_row = {r: index.setdefault(tuple(prompt_ids[r]), len(index)) for m in micro_batches for r in m}
-    return PrefixUnit([list(p) for p in index], micro_batches, prompt_of_row)
+def _unit(micro_batches: list[list[int]], prompt_ids: list[list[int]], key) -> PrefixUnit:
+    index: dict = {}
+    first: list[int] = []  # a row of each distinct prompt
+    prompt_of_row = {}
+    for m in micro_batches:
+        for r in m:
+            k = key(r)
+            if k not in index:
+                index[k] = len(index)
+                first.append(r)
+            prompt_of_row[r] = index[k]
+    return PrefixUnit([list(prompt_ids[r]) for r in first], micro_batches, prompt_of_row)

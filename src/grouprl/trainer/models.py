@@ -190,9 +190,26 @@ def _explain_load_failure(what: str, source: str, e: Exception) -> str:
     return f"could not load {what} '{source}': {first}"
 
 
+def model_config(cfg: ModelConfig, model_path: str):
+    """The transformers config at `model_path` (one clear line when there is none)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(_explain_load_failure("model.path", model_path, e)) from None
+
+
 def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype):
-    """A causal LM ready to train (LoRA wrapped when configured)."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM, or an image-text-to-text model when the config has a vision tower, ready to
+    train (parts frozen as configured, LoRA wrapped when configured)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from grouprl.vision.families import family_class, is_vision_config
+
+    config = model_config(cfg, model_path)
+    family = family_class(config) if is_vision_config(config) else None
+    auto = AutoModelForImageTextToText if family is not None else AutoModelForCausalLM
 
     kwargs: dict = {"dtype": dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
@@ -216,9 +233,11 @@ def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtyp
         )
         kwargs["device_map"] = {"": device.index or 0}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        model = auto.from_pretrained(model_path, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(_explain_load_failure("model.path", model_path, e)) from None
+    if family is not None:
+        freeze_parts(model, family, cfg)
     if cfg.quantization == "none":
         model.to(device)
     if cfg.gradient_checkpointing:
@@ -233,12 +252,40 @@ def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtyp
                 model, use_gradient_checkpointing=cfg.gradient_checkpointing
             )
         targets = cfg.lora.target_modules
+        # a VLM's adapters go on its language model unless lora.target_vision: the tower and
+        # connector are left out by name (peft's exclude_modules takes a regex)
+        skip = family.tower + family.connector if family is not None and not cfg.lora.target_vision else ()
         peft_cfg = PeftLoraConfig(
             r=cfg.lora.rank,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,
             target_modules=targets[0] if targets == ["all-linear"] else targets,
+            exclude_modules="|".join(f"^{p.rstrip('.')}\\..*" for p in skip) or None,
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, peft_cfg)
+        if family is not None:  # peft freezes every base weight; the configured parts train fully
+            freeze_parts(model.get_base_model(), family, cfg, base_frozen=True)
     return model
+
+
+def freeze_parts(model, family, cfg: ModelConfig, *, base_frozen: bool = False) -> None:
+    """A VLM's parts: the vision tower fixed with model.freeze_vision_tower, the language model
+    with model.freeze_language_model. Under LoRA (`base_frozen`) the base weights are already
+    fixed: only a part trained in full (the tower or connector, when not frozen and not adapted)
+    gets its weights trainable again."""
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        in_tower = name.startswith(family.tower)
+        in_connector = name.startswith(family.connector)
+        in_language = name.startswith(family.language) or not (in_tower or in_connector)
+        if base_frozen:
+            trains = not cfg.lora.target_vision and (
+                (in_tower and not cfg.freeze_vision_tower) or in_connector
+            )
+            if trains:
+                param.requires_grad_(True)
+            continue
+        if (in_tower and cfg.freeze_vision_tower) or (in_language and cfg.freeze_language_model):
+            param.requires_grad_(False)

@@ -15,6 +15,7 @@ import random
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from grouprl.trainer.models import (
     autocast,
     load_causal_lm,
     load_tokenizer,
+    model_config,
     resolve_compute_dtype,
     resolve_device,
     resolve_dtype,
@@ -50,6 +52,8 @@ from grouprl.trainer.models import (
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.update import PolicyUpdater, build_step_tensors
+from grouprl.vision.families import is_vision_config
+from grouprl.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +130,24 @@ class Trainer:
         )
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model, model_path)
+        self._check_images(model_config(cfg.model, model_path))
         self.model = load_causal_lm(cfg.model, model_path, self.device, self.dtype)
         self.is_lora = cfg.model.lora.rank > 0
+        # a VLM policy: the processor that turns prompts and observations with images into inputs
+        self.vision = (
+            VisionProcessor.load(
+                model_path,
+                self.model.config,
+                self.tokenizer,
+                min_pixels=cfg.data.image_min_pixels,
+                max_pixels=cfg.data.image_max_pixels,
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
+            if is_vision_config(self.model.config)
+            else None
+        )
+        self.family = self.vision.family if self.vision is not None else None
+        self._image_stubs: dict[int, list] = {}  # id(sample) -> its images' token counts (no pixels)
 
         # an agent's prompts carry the tag protocol as their system message
         self.agent_prompt = (
@@ -163,9 +183,10 @@ class Trainer:
             model_path=model_path,
             seed=cfg.trainer.seed,
             dtype=self.rollout_dtype,
+            vision=self.family,
         )
         self.agent = (
-            AgentLoop(self.engine, self.tokenizer, build_tools(cfg.agent), cfg.agent)
+            AgentLoop(self.engine, self.tokenizer, build_tools(cfg.agent), cfg.agent, vision=self.vision)
             if cfg.agent.enabled
             else None
         )
@@ -179,6 +200,7 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             rollout_is=cfg.algorithm.rollout_is,
             rollout_is_cap=cfg.algorithm.rollout_is_cap,
+            vision=self.family,
         )
         self.generator = torch.Generator(device="cpu").manual_seed(cfg.trainer.seed)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
@@ -203,8 +225,18 @@ class Trainer:
         skipped = truncated = 0
         for s in samples:
             messages = with_protocol(s.messages, self.agent_prompt) if self.agent_prompt else s.messages
-            ids = encode_prompt(self.tokenizer, messages)
+            if self.vision is not None:
+                ids, images = self.vision.encode(messages, s.images)
+                # kept without pixels (processed again when drawn): a large dataset's page images
+                # are not held in memory
+                self._image_stubs[id(s)] = [replace(im, tensors={}, text="") for im in images]
+            else:
+                ids = encode_prompt(self.tokenizer, messages)
             fitted = fit_prompt(ids, d.max_prompt_length, d.prompt_overflow)
+            if fitted is not None and len(fitted) < len(ids) and self.vision is not None:
+                cut = ids[: len(ids) - len(fitted)]
+                if any(t in self.family.never_sampled() for t in cut):  # never cut through an image
+                    fitted = None
             if fitted is None:
                 skipped += 1
             elif len(fitted) < len(ids):
@@ -224,6 +256,29 @@ class Trainer:
                 truncated,
             )
         return prompts, {"data/prompts_skipped": skipped, "data/prompts_truncated": truncated}
+
+    def _check_images(self, config) -> None:
+        """Images in the prompts need a policy that reads them (one line, before loading)."""
+        with_images = next((s for s in self.train_samples + self.val_samples if s.images), None)
+        if with_images is not None and not is_vision_config(config):
+            raise DataError(
+                f"the data has images (sample {with_images.uid!r}) but model.path "
+                f"'{self.cfg.model.path}' is a text-only model ({getattr(config, 'model_type', '?')}); "
+                "use a vision-language model, or data without images"
+            )
+
+    def _images_of(self, samples: list[Sample]) -> list[list] | None:
+        """The samples' prompt images, processed (pixels included), for a VLM policy."""
+        if self.vision is None:
+            return None
+        out = []
+        for s in samples:
+            images = [self.vision.prepare_image(image) for image in s.images]
+            stubs = self._image_stubs.get(id(s), [])
+            if [(i.num_tokens, i.grid) for i in images] != [(i.num_tokens, i.grid) for i in stubs]:
+                raise RuntimeError(f"the images of sample {s.uid!r} processed differently than when encoded")
+            out.append(images)
+        return out
 
     def _make_reference(self):
         """A frozen reference only when a KL coefficient needs it. With LoRA the reference is
@@ -308,6 +363,8 @@ class Trainer:
         # evaluation draws from its own stream, so evaluating does not change what training samples
         generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 1) if evaluation else self.generator
         params = self.sampling_params(evaluation)
+        images = self._images_of(samples)
+        with_images = {"images": images} if images is not None else {}
         if self.agent is not None:
             with autocast(self.device, self.rollout_dtype):
                 return self.agent.run(
@@ -317,6 +374,7 @@ class Trainer:
                     params,
                     generator,
                     on_group_done=(lambda i, group: on_group(group)) if on_group is not None else None,
+                    **with_images,
                 )
 
         made: dict[int, Trajectory] = {}
@@ -332,6 +390,7 @@ class Trainer:
                 rollout_log_probs=gen.log_probs,
                 response_text=gen.text,
                 finish_reason=gen.finish_reason,
+                prompt_images=images[i] if images is not None else [],
             )
             return made[k]
 
@@ -340,7 +399,7 @@ class Trainer:
 
         with autocast(self.device, self.rollout_dtype):
             generations = self.engine.generate(
-                prompts, n, params, generator, on_group_done=group_done if on_group is not None else None
+                prompts, n, params, generator, on_group_done=group_done if on_group is not None else None, **with_images
             )
         return [made.get(k) or make(k, gen) for k, gen in enumerate(generations)]
 
@@ -498,7 +557,7 @@ class Trainer:
             )
         )
         t_update = time.perf_counter()
-        if tensors.rollout_log_probs is not None and c.rollout.engine != "hf":
+        if tensors.rollout_log_probs is not None:  # vLLM's own copy, or the hf engine's check
             metrics.update(self._rollout_correction(tensors))
         self.engine.weights_updated(self.model)  # the next rollout samples from the new weights
         t_synced = time.perf_counter()
@@ -596,6 +655,7 @@ class Trainer:
                 self.run_dir / "best",
                 merge_lora=False,
                 meta={"step": self.step, **val},
+                processor=self.vision,
             )
 
     # ------------------------------------------------------------------ the loop
@@ -666,6 +726,7 @@ class Trainer:
                     self.run_dir / "final",
                     merge_lora=True,
                     meta={"step": self.step},
+                    processor=self.vision,
                 )
         except KeyboardInterrupt:
             # Interrupted while generating or scoring, the weights are those of the last finished

@@ -26,6 +26,7 @@ from grouprl.trainer.logprobs import (
     ResponseBatch,
     head_grad_into_param,
     prefix_forward,
+    prompt_keys,
     response_log_probs,
     shared_opening,
 )
@@ -207,6 +208,7 @@ class PolicyUpdater:
             max_rows=self.cfg.micro_batch_size,
             max_tokens=self.cfg.micro_batch_tokens,
             shared_prefix=self.cfg.shared_prefix,
+            keys=prompt_keys(tensors.prompt_ids, tensors.prompt_images),
         )
 
     @torch.no_grad()

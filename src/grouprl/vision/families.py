@@ -16,6 +16,7 @@ and training see the same inputs by construction.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,15 @@ class ImageInput:
     original_size: tuple[int, int]  # (width, height) of the source image
     grid: tuple[int, int, int] | None = None  # qwen: (t, h, w) patches before merging
     extra: dict[str, Any] = field(default_factory=dict)
+    key: str = ""  # fingerprint of the pixels: prompts are the same prompt only with the same images
+
+    def __post_init__(self):
+        if not self.key and self.tensors:
+            digest = hashlib.sha1()
+            for name in sorted(self.tensors):
+                digest.update(name.encode())
+                digest.update(self.tensors[name].detach().cpu().contiguous().numpy().tobytes())
+            self.key = digest.hexdigest()
 
 
 def unwrap(model):
@@ -45,6 +55,10 @@ def unwrap(model):
 class Family:
     name = ""
     position_dims = 1  # 1: positions [L]; 3: multimodal rope [3, L]
+    # parameter-name prefixes of the parts (transformers' module layout of the family)
+    tower: tuple[str, ...] = ()  # the vision encoder
+    connector: tuple[str, ...] = ()  # the projection of its features into the text embedding space
+    language: tuple[str, ...] = ()  # the language model, embeddings and head included
 
     def __init__(self, config, tokenizer, image_processor):
         self.config, self.tokenizer, self.image_processor = config, tokenizer, image_processor
@@ -108,6 +122,8 @@ class QwenFamily(Family):
 
     name = "qwen"
     position_dims = 3
+    tower = ("model.visual.",)  # the patch merger (its connector) lives inside the tower
+    language = ("model.language_model.", "lm_head.")
 
     def __init__(self, config, tokenizer, image_processor):
         super().__init__(config, tokenizer, image_processor)
@@ -185,6 +201,9 @@ class IdeficsFamily(Family):
     """Idefics3 and SmolVLM."""
 
     name = "idefics"
+    tower = ("model.vision_model.",)
+    connector = ("model.connector.",)
+    language = ("model.text_model.", "lm_head.")
 
     def __init__(self, config, tokenizer, image_processor):
         super().__init__(config, tokenizer, image_processor)
@@ -252,13 +271,17 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def family_for(config, tokenizer, image_processor) -> Family:
+def family_class(config) -> type[Family]:
     model_type = getattr(config, "model_type", "")
     if model_type not in FAMILIES:
         raise ModelLoadError(
             f"vision-language model type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
         )
-    return FAMILIES[model_type](config, tokenizer, image_processor)
+    return FAMILIES[model_type]
+
+
+def family_for(config, tokenizer, image_processor) -> Family:
+    return family_class(config)(config, tokenizer, image_processor)
 
 
 def _token_text(tokenizer, token_id, default: str) -> str:

@@ -48,6 +48,43 @@ def open_image(value: Any, base_dir: str | Path | None = None):
     raise ImageError(f"an image must be a path, bytes or a {{bytes, path}} dict, got {type(value).__name__}")
 
 
+def resolve(value: Any, base_dir: str | Path) -> Any:
+    """A relative image path (also inside a {bytes, path} dict without bytes) made absolute
+    against `base_dir`; bytes and absolute paths unchanged."""
+    if isinstance(value, dict) and not value.get("bytes") and value.get("path"):
+        return {**value, "path": resolve(value["path"], base_dir)}
+    if isinstance(value, (str, Path)):
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else Path(base_dir) / path)
+    return value
+
+
+def check_image(value: Any) -> None:
+    """Raise ImageError unless `value` names or holds a readable image (verified, not decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+        if value is None:
+            raise ImageError("an image entry with neither 'bytes' nor 'path'")
+    try:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            with Image.open(io.BytesIO(bytes(value))) as image:
+                image.verify()
+            return
+        if isinstance(value, (str, Path)):
+            if not Path(value).is_file():
+                raise ImageError(f"image file not found: {value}")
+            with Image.open(value) as image:
+                image.verify()
+            return
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ImageError(f"unreadable image ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    raise ImageError(f"an image must be a path, bytes or a {{bytes, path}} dict, got {type(value).__name__}")
+
+
 def fit_pixels(image, min_pixels: int = 0, max_pixels: int = 0):
     """`image` scaled (aspect kept) so that width x height lies within [min_pixels, max_pixels]
     (0 = no bound); unchanged when it already does."""

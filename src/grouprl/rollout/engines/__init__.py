@@ -2,6 +2,7 @@
 over the trainer's own transformers model, and `vllm`, vLLM in-process with its own copy of the
 weights (pushed after every update). The agent loop and the trainer talk to the interface only."""
 
+from grouprl.errors import ConfigError
 from grouprl.rollout.engines.base import (
     Generation,
     ReprefillSession,
@@ -13,13 +14,28 @@ from grouprl.rollout.engines.base import (
 __all__ = ["Generation", "ReprefillSession", "RolloutEngine", "SamplingParams", "Session", "build_engine"]
 
 
-def build_engine(cfg, model, tokenizer, *, model_path: str = "", seed: int = 0, dtype=None) -> RolloutEngine:
+def build_engine(
+    cfg, model, tokenizer, *, model_path: str = "", seed: int = 0, dtype=None, vision=None
+) -> RolloutEngine:
     """The engine `cfg.engine` names (cfg: the rollout config) over the policy `model`, loaded
-    from `model_path`; `dtype` is the generation precision (None: the parameters')."""
+    from `model_path`; `dtype` is the generation precision (None: the parameters'); `vision`
+    the VLM family of a policy that reads images."""
     if cfg.engine == "hf":
         from grouprl.rollout.engines.hf import HFEngine
 
-        return HFEngine(model, tokenizer, share_prompt_prefill=cfg.share_prompt_prefill, max_batch=cfg.gen_batch_size)
+        return HFEngine(
+            model,
+            tokenizer,
+            share_prompt_prefill=cfg.share_prompt_prefill,
+            max_batch=cfg.gen_batch_size,
+            vision=vision,
+            report_log_probs=cfg.check_log_probs,
+        )
+    if vision is not None:
+        raise ConfigError(
+            f"rollout.engine={cfg.engine} generates for text-only policies; a vision-language policy "
+            "uses rollout.engine=hf"
+        )
     if cfg.engine == "vllm":
         from grouprl.rollout.engines.vllm import VLLMEngine
 

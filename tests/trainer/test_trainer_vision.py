@@ -1,0 +1,151 @@
+"""VLM policies in the training loop, on tiny VLMs of each family built here (saved with their
+image processor, loaded through the real from_pretrained path): the images of the colour task
+(tests/trainer/vision_task.py) reach generation and the update (the update's log-probs equal
+the sampled ones every step), training raises the reward, a resumed run equals an
+uninterrupted one, exports are working VLM folders, and the parts freeze as configured."""
+
+import json
+
+import pytest
+import torch
+from tiny import A_FRACTION, LOWER_FRACTION, tiny_model_dir, write_reward
+from vision_task import write_vision_run
+
+from grouprl.config import load_config
+from grouprl.errors import DataError
+from grouprl.trainer.trainer import Trainer
+from vision_helpers import FAMILIES
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def trainer_for(root, family, *overrides, **kwargs):
+    return Trainer(load_config(write_vision_run(root, family, **kwargs), list(overrides)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, family):
+    """Reward: the share of "a" in the response (the tiny policy can learn it fast); the point is
+    the loop: prompts with images generate, and every step the update's log-probs of the sampled
+    tokens match the sampler's (rollout.check_log_probs), which a blind update would not."""
+    reward = write_reward(tmp_path / "a.py", A_FRACTION, "score")
+    trainer = trainer_for(
+        tmp_path, family,
+        f"reward.components=[{{name: a, function: '{reward}'}}]", "reward.val_metric=a",
+        "rollout.check_log_probs=true", "rollout.n_agent=8", "actor.optim.lr=2e-2", "trainer.total_steps=16",
+        "trainer.save_final=true", "trainer.save_best=false",
+    )
+    assert trainer.vision is not None and trainer.family.image_token_id in trainer.train_prompts[0]
+    summary = trainer.fit()
+    metrics = [m for m in read_jsonl(tmp_path / "runs" / "run" / "metrics.jsonl") if "reward/mean" in m]
+    rewards = [m["reward/mean"] for m in metrics]
+    assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 > 0.3, rewards
+    assert summary["final"] > summary["baseline"] + 0.3
+    assert all(m["rollout/mismatch_max"] < 1e-4 for m in metrics), [m["rollout/mismatch_max"] for m in metrics]
+    # the export is a working VLM: model, tokenizer and image processor in one folder
+    from transformers import AutoModelForImageTextToText
+
+    final = tmp_path / "runs" / "run" / "final"
+    assert (final / "preprocessor_config.json").is_file()
+    reloaded = AutoModelForImageTextToText.from_pretrained(final)
+    for (name, a), b in zip(trainer.model.named_parameters(), reloaded.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_the_update_is_blind_without_the_images(tmp_path, monkeypatch):
+    """The check is sharp: an update that drops the images (the peer bug) scores the sampled
+    tokens differently."""
+    import grouprl.trainer.update as update
+
+    trainer = trainer_for(tmp_path, "qwen2_vl", "rollout.check_log_probs=true", "trainer.total_steps=1",
+                          vision_init_std=0.2)
+    real = update.build_step_tensors
+
+    def blind(trajectories, *args, **kwargs):
+        tensors = real(trajectories, *args, **kwargs)
+        # the image tokens stay, their features do not: a "vision" that sees a blank image
+        from PIL import Image
+
+        blank = trainer.vision.prepare_image(Image.new("RGB", (56, 56)))
+        tensors.prompt_images = [[blank for _ in row] for row in tensors.prompt_images]
+        return tensors
+
+    monkeypatch.setattr("grouprl.trainer.trainer.build_step_tensors", blind)
+    metrics, _ = trainer.train_step()
+    assert metrics["rollout/mismatch_max"] > 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3"])
+def test_a_resumed_vlm_run_repeats_the_uninterrupted_one(tmp_path, family):
+    settings = ["trainer.save_freq=2", "trainer.save_best=false", "trainer.save_final=false"]
+    a = trainer_for(tmp_path / "a", family, *settings, "trainer.total_steps=3")
+    a.fit()
+    trainer_for(tmp_path / "b", family, *settings, "trainer.total_steps=2").fit()
+    resumed = trainer_for(tmp_path / "b", family, *settings, "trainer.total_steps=3")
+    assert resumed.step == 2
+    resumed.fit()
+
+    def records(root):
+        return [(r["step"], r["uid"], r["response"], round(r["advantage"], 6))
+                for r in read_jsonl(root / "runs" / "run" / "rollouts.jsonl")]
+
+    assert records(tmp_path / "b") == records(tmp_path / "a")
+    for (name, p), q in zip(a.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    "overrides, tower_trains, connector_trains, language_trains",
+    [
+        ([], False, True, True),  # the default: the vision encoder stays as it is
+        (["model.freeze_vision_tower=false"], True, True, True),
+        (["model.freeze_language_model=true", "model.freeze_vision_tower=false"], True, True, False),
+    ],
+)
+def test_parts_freeze_as_configured(tmp_path, overrides, tower_trains, connector_trains, language_trains):
+    # a reward every sample scores differently on (lower-case share), so the first step has a gradient
+    trainer = trainer_for(
+        tmp_path, "idefics3", *overrides, "trainer.total_steps=1", "actor.optim.lr=1e-1", reward=LOWER_FRACTION
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train_step()
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    parts = {
+        "tower": [n for n in before if n.startswith("model.vision_model.")],
+        "connector": [n for n in before if n.startswith("model.connector.")],
+        "language": [n for n in before if n.startswith("model.text_model.layers.")],
+    }
+    for part, trains in (("tower", tower_trains), ("connector", connector_trains), ("language", language_trains)):
+        assert bool(moved & set(parts[part])) == trains, part
+        assert all(p.requires_grad == trains for n, p in trainer.model.named_parameters() if n in parts[part])
+
+
+@pytest.mark.parametrize("target_vision", [False, True])
+def test_lora_adapts_the_language_model_or_both(tmp_path, target_vision):
+    trainer = trainer_for(
+        tmp_path, "qwen2_vl", "model.lora.rank=4", f"model.lora.target_vision={str(target_vision).lower()}",
+        "trainer.total_steps=1",
+    )
+    adapted = {n.split(".lora_")[0] for n, _ in trainer.model.named_parameters() if ".lora_" in n}
+    in_tower = {n for n in adapted if ".visual." in n}
+    assert any(".language_model." in n for n in adapted)
+    assert bool(in_tower) == target_vision
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert all(".lora_" in n for n in trainable)  # the tower (merger included) frozen, base weights too
+    trainer.train_step()
+
+
+def test_images_with_a_text_only_model_are_one_line(tmp_path):
+    model_dir = tiny_model_dir(tmp_path / "text-model")
+    config = write_vision_run(tmp_path, "qwen2_vl")
+    with pytest.raises(DataError, match=r"the data has images \(sample 't0'\) but model.path .* is a text-only model \(llama\)"):
+        Trainer(load_config(config, [f"model.path={model_dir}"]))
+
+
+def test_the_vllm_engine_refuses_a_vlm_policy(tmp_path):
+    from grouprl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="a vision-language policy uses rollout.engine=hf"):
+        trainer_for(tmp_path, "idefics3", "rollout.engine=vllm")
