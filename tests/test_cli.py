@@ -163,7 +163,7 @@ def test_model_path_that_does_not_exist(capsys, tmp_path):
 def test_unknown_builtin_model(capsys, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     message = one_line_error(capsys, "train", f"data.train_files=[{data}]", "model.path=builtin:gpt-17")
-    assert message == "unknown built-in model 'builtin:gpt-17'; available: smollm2-135m-instruct"
+    assert message == "unknown built-in model 'builtin:gpt-17'; available: smollm2-135m-instruct, smolvlm-smollm2-135m"
 
 
 def test_the_vllm_engine_without_vllm_is_one_line(capsys, tmp_path, monkeypatch):

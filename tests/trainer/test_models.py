@@ -83,7 +83,7 @@ def test_cuda_without_a_gpu():
 # ------------------------------------------------------------------------- built-in and GGUF
 def test_unknown_builtin_lists_the_available_ones():
     message = load_error(resolve_model_path, ModelConfig(path="builtin:llama-70b"))
-    assert message == "unknown built-in model 'builtin:llama-70b'; available: smollm2-135m-instruct"
+    assert message == "unknown built-in model 'builtin:llama-70b'; available: smollm2-135m-instruct, smolvlm-smollm2-135m"
 
 
 def test_builtin_whose_package_is_missing(monkeypatch):
@@ -207,3 +207,48 @@ def test_builtin_smollm2_loads_and_generates():
     )
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     assert out.text.strip()  # real words, not empty
+
+
+@pytest.mark.slow
+def test_the_embedded_vlm_is_smollm2_with_eyes(tmp_path):
+    """builtin:smolvlm-smollm2-135m, assembled into a fresh cache from the converted SmolLM2:
+    an Idefics3 model whose text model is SmolLM2 to the last weight (text-only logits equal),
+    whose images change what it says, loaded back by the trainer's own loader."""
+    from transformers import AutoModelForCausalLM
+
+    from grouprl.data.tasks.shapes import make_shapes
+    from grouprl.rollout.engines.hf import HFEngine, SamplingParams
+    from grouprl.vision.processor import VisionProcessor
+
+    text_path = resolve_model_path(ModelConfig())  # the shared cache: converted once
+    cfg = ModelConfig(path="builtin:smolvlm-smollm2-135m", cache_dir=str(tmp_path))
+    import shutil
+
+    from PIL import Image
+
+    (tmp_path / "models").mkdir()
+    shutil.copytree(text_path, tmp_path / "models" / "smollm2-135m-instruct")  # no second conversion
+    path = resolve_model_path(cfg)
+    assert Path(path) == tmp_path / "models" / "smolvlm-smollm2-135m"
+    tokenizer = load_tokenizer(cfg, path)
+    model = load_causal_lm(cfg, path, CPU, torch.float32).eval()
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    assert 140e6 < sum(p.numel() for p in model.parameters()) < 145e6
+    # the vision tower is frozen by default, the connector and language model train
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("model.vision_model."))
+    assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("model.vision_model."))
+    text = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]])
+    with torch.no_grad():
+        want, got = text(input_ids=ids).logits[0, -1], model(input_ids=ids).logits[0, -1]
+    assert torch.equal(got[: want.shape[0]], want)
+    vision = VisionProcessor.load(path, model.config, tokenizer)
+    samples = make_shapes(2, 0, "val")
+    encoded = [vision.encode(s.messages, s.images) for s in samples]
+    assert all(images[0].num_tokens == 16 for _, images in encoded)
+    engine = HFEngine(model, tokenizer, vision=vision.family, report_log_probs=True)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    out = engine.generate([e[0] for e in encoded], 1, params, images=[e[1] for e in encoded])
+    blank = vision.prepare_image(Image.new("RGB", (64, 64)))
+    other = engine.generate([encoded[0][0]], 1, params, images=[[blank]])
+    assert out[0].log_probs != other[0].log_probs  # the image is read
