@@ -55,7 +55,7 @@ def _scene(rng: random.Random) -> Scene:
     kind = rng.choice(KINDS)
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
     count = rng.randint(1, 4) if kind == "count" else 1
-    size = rng.randint(14, 22) if count == 1 else rng.randint(10, 14)
+    size = rng.randint(22, 28) if count == 1 else rng.randint(12, 16)  # large: a tile of the tower sees it
     boxes: list[tuple[int, int, int]] = []
     while len(boxes) < count:  # shapes apart from each other
         x, y = rng.randint(2, SIZE - size - 2), rng.randint(2, SIZE - size - 2)
