@@ -133,6 +133,23 @@ def tiny_vlm(
     return model, tokenizer, vision_processor
 
 
+def hf_inputs(family: str, vision, ids, images) -> dict:
+    """The keyword arguments transformers' own forward takes for `images` (in the order of their
+    tokens in `ids`): the reference our embeddings and positions are checked against."""
+    if not images:
+        return {}
+    if family.startswith("qwen"):
+        return dict(
+            pixel_values=torch.cat([im.tensors["pixel_values"] for im in images]),
+            image_grid_thw=torch.cat([im.tensors["image_grid_thw"] for im in images]),
+            mm_token_type_ids=(ids == vision.family.image_token_id).int(),
+        )
+    return dict(
+        pixel_values=torch.cat([im.tensors["pixel_values"] for im in images])[None],
+        pixel_attention_mask=torch.cat([im.tensors["pixel_attention_mask"] for im in images])[None],
+    )
+
+
 def colours(n: int, seed: int = 0, size: tuple[int, int] = (56, 56)):
     """n PIL images of random blocky colours (distinct per index, same for the same seed)."""
     from PIL import Image

@@ -6,22 +6,7 @@ import pytest
 import torch
 
 from grouprl.rollout.engines.hf import HFEngine, SamplingParams
-from vision_helpers import FAMILIES, colours, tiny_vlm
-
-
-def hf_inputs(family, vision, ids, images):
-    if not images:
-        return {}
-    if family.startswith("qwen"):
-        return dict(
-            pixel_values=torch.cat([im.tensors["pixel_values"] for im in images]),
-            image_grid_thw=torch.cat([im.tensors["image_grid_thw"] for im in images]),
-            mm_token_type_ids=(ids == vision.family.image_token_id).int(),
-        )
-    return dict(
-        pixel_values=torch.cat([im.tensors["pixel_values"] for im in images])[None],
-        pixel_attention_mask=torch.cat([im.tensors["pixel_attention_mask"] for im in images])[None],
-    )
+from vision_helpers import FAMILIES, colours, hf_inputs, tiny_vlm
 
 
 @torch.no_grad()

@@ -18,25 +18,10 @@ from grouprl.rollout.engines.hf import HFEngine, SamplingParams
 from grouprl.trainer.logprobs import ResponseBatch, response_log_probs
 from grouprl.trainer.update import PolicyUpdater
 from helpers import exact_float64_norms
-from vision_helpers import FAMILIES, colours, tiny_vlm
+from vision_helpers import FAMILIES, colours, hf_inputs, tiny_vlm
 
 TEMPERATURE = 0.9
 N = 3  # samples per prompt
-
-
-def hf_inputs(family, vision, ids, images):
-    if not images:
-        return {}
-    if family.startswith("qwen"):
-        return dict(
-            pixel_values=torch.cat([im.tensors["pixel_values"] for im in images]),
-            image_grid_thw=torch.cat([im.tensors["image_grid_thw"] for im in images]),
-            mm_token_type_ids=(ids == vision.family.image_token_id).int(),
-        )
-    return dict(
-        pixel_values=torch.cat([im.tensors["pixel_values"] for im in images])[None],
-        pixel_attention_mask=torch.cat([im.tensors["pixel_attention_mask"] for im in images])[None],
-    )
 
 
 def reference(model, family, vision, batch: ResponseBatch, temperature=TEMPERATURE):

@@ -6,21 +6,7 @@ import pytest
 import torch
 
 from grouprl.vision.images import count_placeholders, fit_pixels, with_placeholders
-from vision_helpers import FAMILIES, colours, tiny_vlm
-
-
-def hf_inputs(family, vision, ids, images):
-    """The keyword arguments transformers' forward takes for these images."""
-    if family.startswith("qwen"):
-        return dict(
-            pixel_values=torch.cat([im.tensors["pixel_values"] for im in images]),
-            image_grid_thw=torch.cat([im.tensors["image_grid_thw"] for im in images]),
-            mm_token_type_ids=(ids == vision.family.image_token_id).int(),
-        )
-    return dict(
-        pixel_values=torch.cat([im.tensors["pixel_values"] for im in images])[None],
-        pixel_attention_mask=torch.cat([im.tensors["pixel_attention_mask"] for im in images])[None],
-    )
+from vision_helpers import FAMILIES, colours, hf_inputs, tiny_vlm
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,12 +14,11 @@ of the others. About 142M parameters. The result is cached like the converted te
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from grouprl.trainer.export import save_into_cache
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>"]
 IMAGE_SIZE = 64
@@ -69,16 +68,4 @@ def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
         size={"longest_edge": IMAGE_SIZE},
         max_image_size={"longest_edge": IMAGE_SIZE},
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        image_processor.save_pretrained(tmp)
-        if target.exists():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_into_cache(target, model, tokenizer, image_processor)

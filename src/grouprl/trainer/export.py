@@ -9,6 +9,23 @@ import tempfile
 from pathlib import Path
 
 
+def save_into_cache(target: Path, *parts) -> None:
+    """save_pretrained every part (model, tokenizer, image processor) into `target` through a
+    temp folder renamed when complete; a folder another process finished first wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        for part in parts:
+            part.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_model(
     model, tokenizer, target: Path, *, merge_lora: bool, meta: dict | None = None, processor=None
 ) -> Path:

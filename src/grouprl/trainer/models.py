@@ -12,14 +12,13 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from grouprl.config import ModelConfig
 from grouprl.errors import ModelLoadError
+from grouprl.trainer.export import save_into_cache
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +133,7 @@ def _convert_gguf(folder: str, gguf_file: str, target: Path) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantised.state_dict(), assign=True)
     model.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_into_cache(target, model, tokenizer)
 
 
 def resolve_model_path(cfg: ModelConfig) -> str:
