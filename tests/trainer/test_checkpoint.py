@@ -2,6 +2,9 @@
 marker, atomic writes, and the resume modes."""
 
 import json
+import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -159,9 +162,12 @@ def test_keep_last_and_latest(uninterrupted):
     assert (root / "latest").read_text() == "step_4\n"
     for step in ("step_2", "step_4"):
         assert sorted(p.name for p in (root / step).iterdir()) == [
+            "manifest.json",
             "model.safetensors",
+            "optim.pt",
             "ref_model.safetensors",
-            "state.pt",
+            "trainer.json",
+            "trainer.safetensors",
         ]
 
 
@@ -184,8 +190,8 @@ def test_latest_ignores_incomplete_folders(tmp_path):
     manager.save(3, model, optimizer, scheduler, {"step": 3})
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_9-x1y2").mkdir()  # a write that died before its rename
-    (root / ".tmp-step_9-x1y2" / "state.pt").write_bytes(b"")
-    (root / "step_7").mkdir()  # a folder without state.pt
+    (root / ".tmp-step_9-x1y2" / "manifest.json").write_text("{}")
+    (root / "step_7").mkdir()  # a folder without its manifest (written last)
     (root / "step_7" / "model.safetensors").write_bytes(b"")
     assert manager.latest() == root / "step_3"
     (root / "latest").write_text("step_7\n")  # a marker naming an incomplete folder
@@ -270,7 +276,7 @@ def test_resume_modes(uninterrupted, tmp_path, model_dir):
     assert all(torch.equal(p.detach(), ckpt_2[n]) for n, p in chosen.model.named_parameters())
     assert chosen.sampler.state_dict()["position"] == (2 * 2) % 8
 
-    with pytest.raises(UserError, match="not a complete checkpoint folder"):
+    with pytest.raises(UserError, match="not a valid checkpoint: .* \\(no manifest.json"):
         Trainer(
             config(
                 tmp_path,
@@ -280,3 +286,111 @@ def test_resume_modes(uninterrupted, tmp_path, model_dir):
                 f"trainer.resume_from_path={tmp_path}",
             )
         )
+
+
+# ------------------------------------------------------------------------- verification, safe loading
+def small_checkpoints(tmp_path, steps):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    manager = CheckpointManager(tmp_path, keep_last=len(steps))
+    for step in steps:
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        manager.save(step, model, optimizer, scheduler, {"step": step})
+    return manager, model, optimizer, scheduler
+
+
+def truncate(path, keep=10):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+    return len(data)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+    manager, model, optimizer, scheduler = small_checkpoints(tmp_path, [1, 2, 3])
+    root = tmp_path / "checkpoints"
+    size = truncate(root / "step_3" / "model.safetensors")
+    with caplog.at_level("WARNING"):
+        assert manager.latest() == root / "step_2"
+    assert f"step_3: model.safetensors has 10 bytes, {size} expected" in caplog.text
+    # same size, other bytes: the checksum catches it
+    data = bytearray((root / "step_2" / "optim.pt").read_bytes())
+    data[-30] ^= 0xFF
+    (root / "step_2" / "optim.pt").write_bytes(bytes(data))
+    assert manager.latest() == root / "step_1"
+    assert "step_2: optim.pt does not match its checksum" in caplog.text
+    (root / "step_1" / "trainer.json").unlink()
+    with pytest.raises(UserError, match=r"no valid checkpoint in .*step_3: .*step_2: .*step_1: trainer.json is missing"):
+        manager.latest()
+    with pytest.raises(UserError, match=r"not a valid checkpoint: .*step_1 \(trainer.json is missing\)"):
+        CheckpointManager.load(root / "step_1", model, optimizer, scheduler)
+
+
+def test_the_trainer_resumes_from_the_newest_intact_checkpoint(uninterrupted, tmp_path, model_dir, caplog):
+    """kill -9 damaged the newest checkpoint (a file cut short): the next start warns and resumes
+    from the one before, which repeats the uninterrupted run from there."""
+    trainer_a, run_a = uninterrupted
+    copy = tmp_path / "runs" / "a"
+    shutil.copytree(run_a, copy)
+    truncate(copy / "checkpoints" / "step_4" / "optim.pt", keep=100)
+    same_run = [f"trainer.output_dir={copy.parent}", "trainer.experiment_name=a", *RESUME_SETTINGS]
+    with caplog.at_level("WARNING"):
+        resumed = Trainer(config(tmp_path, model_dir, *same_run))
+    assert resumed.step == 2
+    assert "skipped invalid checkpoints (step_4: optim.pt has 100 bytes" in caplog.text
+    resumed.fit()
+    final_a, final_b = weights(trainer_a.model), weights(resumed.model)
+    for name in final_a:
+        assert torch.allclose(final_a[name], final_b[name], atol=1e-6, rtol=0), name
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_loading_runs_no_code_from_the_checkpoint(tmp_path, monkeypatch):
+    manager, model, optimizer, scheduler = small_checkpoints(tmp_path, [1])
+    folder = tmp_path / "checkpoints" / "step_1"
+    state = torch.load(folder / "optim.pt", weights_only=True)
+    state["scheduler"]["hook"] = _Payload()  # someone else's checkpoint, manifest rewritten to match
+    torch.save(state, folder / "optim.pt")
+    checkpoint_module.write_manifest(folder)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="optim.pt holds objects other than tensors and plain data"):
+        CheckpointManager.load(folder, model, optimizer, scheduler)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_trainer_state_round_trips_exactly(tmp_path):
+    import random
+
+    import numpy as np
+
+    random.seed(3)
+    np.random.seed(4)
+    state = {
+        "step": 7,
+        "rng": checkpoint_module.rng_state(),
+        "generator": torch.Generator().manual_seed(5).get_state(),
+        "history": [{"step": 0, "val/accuracy": float("nan")}],
+        "best_metric": -float("inf"),
+        "sampler": {"order": [3, 1, 2], "seed": 1},
+    }
+    tensors = {}
+    encoded = json.loads(json.dumps(checkpoint_module.encode_state(state, tensors)))
+    back = checkpoint_module.decode_state(encoded, tensors)
+    assert back["rng"]["python"] == state["rng"]["python"]
+    numpy_state = back["rng"]["numpy"]
+    assert numpy_state[0] == "MT19937" and numpy_state[1].dtype == np.uint32
+    assert np.array_equal(numpy_state[1], state["rng"]["numpy"][1]) and numpy_state[2:] == state["rng"]["numpy"][2:]
+    assert torch.equal(back["generator"], state["generator"]) and torch.equal(back["rng"]["torch"], state["rng"]["torch"])
+    assert math.isnan(back["history"][0]["val/accuracy"]) and back["best_metric"] == -math.inf
+    assert back["sampler"] == state["sampler"]
+    checkpoint_module.set_rng_state(back["rng"])
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(3)
+    np.random.seed(4)
+    assert (random.random(), float(np.random.rand())) == expected

@@ -41,4 +41,4 @@ def test_default_recipe_trains_one_step_on_smollm2(tmp_path):
     # an all-equal reward batch has zero advantages and leaves the weights unchanged: then the
     # gradient norm must be 0 too, otherwise it must have moved the weights
     assert changed == (step["actor/grad_norm"] > 0)
-    assert (tmp_path / "default" / "checkpoints" / "step_1" / "state.pt").is_file()
+    assert (tmp_path / "default" / "checkpoints" / "step_1" / "manifest.json").is_file()

@@ -1,15 +1,25 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, verified, resumable checkpoints.
 
 <run>/checkpoints/step_<N>/ is written in a temp folder and renamed once complete; the file
 `latest` names the newest complete one. A checkpoint holds the trainable weights
 (safetensors; LoRA adapters only when LoRA is on), optimizer and scheduler state, and the
 trainer state (step, sampler position, RNG states, evaluation history), so a resumed run draws
 the same next batches as an uninterrupted one.
+
+Loading executes nothing from the folder: the trainer state is JSON with its tensors (RNG
+states) in safetensors, the optimizer state is read with `torch.load(weights_only=True)`.
+`manifest.json`, written last, lists every file with its size and SHA-256; a checkpoint whose
+files do not match it is skipped (with a warning naming what is wrong) in favour of the newest
+one that does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -21,6 +31,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = 2
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -57,6 +72,96 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ----------------------------------------------------------------------------- safe trainer state
+def encode_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-able form of plain state (dicts with string keys, lists, tuples, numbers, strings),
+    its tensors and numpy arrays moved into `tensors` under a reference."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().contiguous().cpu()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = f"t{len(tensors)}"
+        tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_state(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [encode_state(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError(f"trainer state keys must be strings: {list(obj)[:3]}")
+        return {k: encode_state(v, tensors) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store {type(obj).__name__} in a checkpoint's trainer state")
+
+
+def decode_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [decode_state(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
+        if "__tuple__" in obj:
+            return tuple(decode_state(v, tensors) for v in obj["__tuple__"])
+        return {k: decode_state(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+# ----------------------------------------------------------------------------- manifest
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Every file of `folder` with its size and checksum, written last (atomically)."""
+    files = {
+        str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != MANIFEST
+    }
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def problem(folder: Path) -> str | None:
+    """Why `folder` is not a valid checkpoint, or None when its files match its manifest."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST} (the write did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, {want['bytes']} expected"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int):
         self.root = Path(run_dir) / "checkpoints"
@@ -75,14 +180,11 @@ class CheckpointManager:
                     {n: p.detach().contiguous().cpu() for n, p in ref_model.named_parameters()},
                     str(tmp / "ref_model.safetensors"),
                 )
-            torch.save(
-                {
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "trainer": trainer_state,
-                },
-                tmp / "state.pt",
-            )
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+            tensors: dict[str, torch.Tensor] = {}
+            (tmp / "trainer.json").write_text(json.dumps(encode_state(trainer_state, tensors)))
+            save_file(tensors, str(tmp / "trainer.safetensors"))
+            write_manifest(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -96,33 +198,61 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        steps = sorted(self.complete(), key=lambda p: int(p.name.split("_")[1]))
-        for old in steps[: -self.keep_last]:
+        for old in self.complete()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
     def complete(self) -> list[Path]:
+        """Checkpoint folders whose write finished (a manifest), oldest first (not verified)."""
         if not self.root.is_dir():
             return []
-        return [p for p in self.root.glob("step_*") if (p / "state.pt").is_file()]
+        return sorted((p for p in self.root.glob("step_*") if (p / MANIFEST).is_file()), key=_step_of)
 
     def latest(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest. Newer ones that do not are
+        skipped with a warning; when there are checkpoints and none is valid, one line says why."""
+        candidates = [p for p in self.root.glob("step_*") if p.is_dir()] if self.root.is_dir() else []
+        candidates.sort(key=_step_of, reverse=True)
         marker = self.root / "latest"
-        if marker.is_file():
-            path = self.root / marker.read_text().strip()
-            if (path / "state.pt").is_file():
+        named = self.root / marker.read_text().strip() if marker.is_file() else None
+        if named in candidates:  # the last one written (a restarted run's steps may be lower)
+            candidates = [named] + [p for p in candidates if _step_of(p) < _step_of(named)]
+        skipped = []
+        for path in candidates:
+            why = problem(path)
+            if why is None:
+                if skipped:
+                    log.warning(
+                        "skipped invalid checkpoints (%s); resuming from %s",
+                        "; ".join(skipped),
+                        path.name,
+                    )
                 return path
-        done = sorted(self.complete(), key=lambda p: int(p.name.split("_")[1]))
-        return done[-1] if done else None
+            if (path / MANIFEST).is_file():  # a finished write damaged since; unfinished ones are silent
+                skipped.append(f"{path.name}: {why}")
+        if skipped:
+            raise UserError(
+                f"no valid checkpoint in {self.root} ({'; '.join(skipped)}); "
+                "set trainer.resume_mode=disable to start afresh"
+            )
+        return None
 
     @staticmethod
     def load(path: Path, model, optimizer, scheduler, ref_model=None) -> dict[str, Any]:
         path = Path(path)
-        if not (path / "state.pt").is_file():
-            raise UserError(f"not a complete checkpoint folder: {path}")
+        why = problem(path)
+        if why is not None:
+            raise UserError(f"not a valid checkpoint: {path} ({why})")
         load_trainable_state(model, load_file(str(path / "model.safetensors")))
         if ref_model is not None and (path / "ref_model.safetensors").is_file():
             load_trainable_state(ref_model, load_file(str(path / "ref_model.safetensors")))
-        state = torch.load(path / "state.pt", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        return state["trainer"]
+        try:  # tensors and plain containers only: nothing in the file can run
+            optim = torch.load(path / "optim.pt", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UserError(
+                f"{path / 'optim.pt'} holds objects other than tensors and plain data; not loading it "
+                f"({str(e).splitlines()[0][:120]})"
+            ) from None
+        optimizer.load_state_dict(optim["optimizer"])
+        scheduler.load_state_dict(optim["scheduler"])
+        tensors = load_file(str(path / "trainer.safetensors"))
+        return decode_state(json.loads((path / "trainer.json").read_text()), tensors)
