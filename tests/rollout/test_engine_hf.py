@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grouprl.rollout.engines.hf import HFEngine, SamplingParams, sample_next
+from grouprl.rollout.engines.streams import RowStreams
 from helpers import byte_level_tokenizer, random_prompts, tiny_config, tiny_model_and_tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -94,6 +95,46 @@ def test_same_seed_same_samples_other_seed_other_samples(model_and_tokenizer, pr
     other = engine.generate(prompts, 2, sampling, torch.Generator().manual_seed(8))
     assert first == again
     assert [g.token_ids for g in first] != [g.token_ids for g in other]
+
+
+def test_row_streams_make_a_sample_independent_of_its_batch(model_and_tokenizer, prompts):
+    """With per-trajectory streams a prompt's samples are the same alone, in a batch, in chunks,
+    without the shared prefill and inside a multi-turn session: what ranks and resumes need."""
+    model, tokenizer = model_and_tokenizer
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20)
+    n = 2
+    keys = list(range(len(prompts) * n))
+    together = HFEngine(model, tokenizer).generate(prompts, n, sampling, RowStreams(11, keys))
+    assert len({tuple(g.token_ids) for g in together}) == len(together)  # really sampled
+    for engine in (
+        HFEngine(model, tokenizer, max_batch=3),
+        HFEngine(model, tokenizer, share_prompt_prefill=False),
+    ):
+        assert engine.generate(prompts, n, sampling, RowStreams(11, keys)) == together
+    for i, prompt in enumerate(prompts):  # one prompt alone, keyed by its place in the batch
+        alone = HFEngine(model, tokenizer).generate(
+            [prompt], n, sampling, RowStreams(11, keys[i * n : (i + 1) * n])
+        )
+        assert alone == together[i * n : (i + 1) * n], i
+    session = HFEngine(model, tokenizer).open_session(prompts, n)
+    assert session.generate(keys, [[] for _ in keys], sampling, RowStreams(11, keys)) == together
+    other = HFEngine(model, tokenizer).generate(prompts, n, sampling, RowStreams(12, keys))
+    assert [g.token_ids for g in other] != [g.token_ids for g in together]
+
+
+def test_row_streams_are_uniform_and_independent_per_row():
+    streams = RowStreams(3, range(50000))
+    first, second = streams.uniform(dtype=torch.float64), streams.uniform(dtype=torch.float64)
+    for u in (first, second):
+        assert 0 <= float(u.min()) and float(u.max()) < 1
+        assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.std()) - 12**-0.5) < 0.005  # ~4 s.e.
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.02
+    # a row's k-th draw is the same whatever other rows draw in between
+    again = RowStreams(3, range(50000))
+    again.select([7]).uniform(dtype=torch.float64)
+    assert float(again.select([7]).uniform(dtype=torch.float64)[0]) == float(second[7])
+    # float32 never rounds up to 1.0 (that would reach past the last token)
+    assert float(RowStreams(3, range(50000)).uniform(dtype=torch.float32).max()) < 1.0
 
 
 def test_top_k_1_is_greedy(model_and_tokenizer, prompts, alone):

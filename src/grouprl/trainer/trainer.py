@@ -34,6 +34,7 @@ from grouprl.rewards.streaming import StreamingRewards, batch_summary
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
 from grouprl.rollout.engines import SamplingParams, build_engine
+from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -56,6 +57,8 @@ from grouprl.vision.families import is_vision_config
 from grouprl.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
+
+EVALUATION_STREAM = 2**62  # a step number no run reaches: evaluation's own streams
 
 
 def seed_everything(seed: int) -> None:
@@ -202,7 +205,7 @@ class Trainer:
             rollout_is_cap=cfg.algorithm.rollout_is_cap,
             vision=self.family,
         )
-        self.generator = torch.Generator(device="cpu").manual_seed(cfg.trainer.seed)
+        self._rollout_calls = 0  # rollouts of the current step (a refill draws new streams)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         self.step = 0
         self.history: list[dict] = []  # evaluation results by step
@@ -306,7 +309,6 @@ class Trainer:
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "rng": rng_state(),
-            "generator": self.generator.get_state(),
             "history": list(self.history),  # copies: a snapshot taken before a step stays as it was
             "best_metric": self.best_metric,
             "counters": dict(self.counters),
@@ -325,7 +327,6 @@ class Trainer:
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
-        self.generator.set_state(state["generator"])
         self.history = state["history"]
         self.best_metric = state["best_metric"]
         self.counters = state["counters"]
@@ -357,11 +358,21 @@ class Trainer:
         n: int,
         evaluation=False,
         on_group: Callable[[list[Trajectory]], None] | None = None,
+        first_group: int = 0,
     ) -> list[Trajectory]:
         """n trajectories per prompt, prompt-major; `on_group(group)` gets each prompt's n
-        trajectories as soon as they are all complete (streaming rewards)."""
-        # evaluation draws from its own stream, so evaluating does not change what training samples
-        generator = torch.Generator().manual_seed(self.cfg.trainer.seed + 1) if evaluation else self.generator
+        trajectories as soon as they are all complete (streaming rewards). `first_group`: the
+        index of `prompts[0]` in the step's whole batch (over all ranks)."""
+        # every trajectory samples from its own stream, keyed by (seed, step, rollout call) and its
+        # place in the step's batch: the tokens do not depend on batching, ranks or a resume;
+        # evaluation has streams of its own, so evaluating does not change what training samples
+        seed = self.cfg.trainer.seed
+        if evaluation:
+            stream_seed = mix_seed(seed, EVALUATION_STREAM)
+        else:
+            stream_seed, self._rollout_calls = mix_seed(seed, self.step, self._rollout_calls), self._rollout_calls + 1
+        keys = [(first_group + i) * n + j for i in range(len(prompts)) for j in range(n)]
+        generator = RowStreams(stream_seed, keys)
         params = self.sampling_params(evaluation)
         images = self._images_of(samples)
         with_images = {"images": images} if images is not None else {}
@@ -508,6 +519,7 @@ class Trainer:
         t0 = time.perf_counter()
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state, self._updating = self._trainer_state(), False
+        self._rollout_calls = 0
         samples, prompts, trajectories, metrics = self._rollout_and_score()
         t_reward = time.perf_counter()
         if not trajectories:  # every group dropped (judge failures): nothing to learn from
@@ -629,7 +641,9 @@ class Trainer:
         trajectories: list[Trajectory] = []
         for start in range(0, len(keep), batch):
             chunk = keep[start : start + batch]
-            trajectories += self.rollout([s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True)
+            trajectories += self.rollout(
+                [s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True, first_group=start
+            )
         self.reward.score(trajectories)
         metric = self.cfg.reward.val_metric
         values = [t.reward if metric == "reward" else t.rewards[metric] for t in trajectories]

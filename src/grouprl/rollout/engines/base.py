@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
+from grouprl.rollout.engines.streams import Randomness, for_rows
+
 
 @dataclass
 class SamplingParams:
@@ -45,7 +47,7 @@ class Session(Protocol):
         rows: list[int],
         new_tokens: list[list[int]],
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Randomness = None,
         new_images: list[list] | None = None,
     ) -> list[Generation]:
         """Append `new_tokens[i]` (holding the tokens of the images `new_images[i]`, for a VLM
@@ -74,7 +76,7 @@ class RolloutEngine(Protocol):
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Randomness = None,
         on_group_done: GroupDone | None = None,
         images: list[list] | None = None,
     ) -> list[Generation]:
@@ -113,7 +115,9 @@ class ReprefillSession:
         if first:
             generations = self.engine.generate(self.prompts, self.n, params, generator, **images)
         else:
-            generations = self.engine.generate([self.contexts[k] for k in rows], 1, params, generator, **images)
+            generations = self.engine.generate(
+                [self.contexts[k] for k in rows], 1, params, for_rows(generator, rows), **images
+            )
         self.started = True
         for k, g in zip(rows, generations):
             self.contexts[k].extend(g.token_ids)

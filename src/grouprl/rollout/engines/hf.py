@@ -17,15 +17,17 @@ from transformers.cache_utils import DynamicLayer
 
 from grouprl import cpu
 from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession, SamplingParams
+from grouprl.rollout.engines.streams import Randomness, RowStreams, for_rows
 
 
 def sample_next(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
+    generator: Randomness,
     banned: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from logits [A, V] -> [A]; `banned` token ids are never drawn
+    """Draw one token per row from logits [A, V] -> [A], with one uniform per row from
+    `generator` (a torch generator, or the rows' own streams); `banned` token ids are never drawn
     (a VLM's image tokens: the distribution is renormalised over the others, as the update's
     log-probs are)."""
     if banned is not None and banned.numel():
@@ -46,12 +48,15 @@ def sample_next(
     return _inverse_cdf_sample(logits.softmax(-1), generator)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _inverse_cdf_sample(probs: torch.Tensor, generator: Randomness) -> torch.Tensor:
     """One draw per row of probs [A, V]: the first token whose cumulative probability exceeds
     u ~ U(0, total). Exact like torch.multinomial (a token of probability 0 is never drawn), and
     on a CPU several times faster, which matters at every decode step over a 50k vocabulary."""
     cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    if isinstance(generator, RowStreams):
+        u = generator.uniform(probs.device, cdf.dtype)[:, None]
+    else:
+        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
@@ -197,11 +202,12 @@ class HFEngine:
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Randomness = None,
         on_group_done: GroupDone | None = None,
         images: list[list] | None = None,
     ) -> list[Generation]:
-        """Sample n continuations of every prompt; output order is prompt-major
+        """Sample n continuations of every prompt (`generator`: a torch generator, or one
+        stream per output row); output order is prompt-major
         (prompt 0 samples 0..n-1, prompt 1 ...). `on_group_done(i, generations)` is called as
         soon as prompt i's n samples have all ended (e.g. to start scoring them) while the
         other prompts are still decoding. `images[i]`: prompt i's images (`ImageInput`s, in
@@ -213,7 +219,10 @@ class HFEngine:
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             chunk_images = images[start : start + per_call] if images is not None else None
-            out.extend(self._generate_chunk(chunk, n, params, generator, on_group_done, start, chunk_images))
+            rows = range(start * n, (start + len(chunk)) * n)
+            out.extend(
+                self._generate_chunk(chunk, n, params, for_rows(generator, rows), on_group_done, start, chunk_images)
+            )
         return out
 
     def _generation(self, token_ids: list[int], finish_reason: str, log_probs=None) -> Generation:
@@ -359,7 +368,8 @@ class HFEngine:
         stop_ends = {s[-1] for s in params.stop if s}
 
         for step in range(params.max_new_tokens):
-            next_tokens = sample_next(logits, params, generator, self._banned(logits))  # [A]
+            draw = for_rows(generator, active.tolist())  # the active rows' own streams, if given
+            next_tokens = sample_next(logits, params, draw, self._banned(logits))  # [A]
             if log_probs is not None:
                 step_lp = self._log_probs(logits, next_tokens, params.temperature)
             done_rows: list[int] = []
@@ -460,11 +470,12 @@ class KVSession:
         rows: list[int],
         new_tokens: list[list[int]],
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Randomness = None,
         new_images: list[list] | None = None,
     ) -> list[Generation]:
         """Append `new_tokens[i]` (with the images `new_images[i]` whose tokens it holds) to row
-        `rows[i]`'s context and sample its continuation."""
+        `rows[i]`'s context and sample its continuation (`generator`: a torch generator, or
+        streams over all the session's rows)."""
         engine, model = self.engine, self.engine.model
         was_training = model.training
         model.eval()
@@ -496,7 +507,7 @@ class KVSession:
                 ]
 
         lps = [[] for _ in rows] if engine.report_log_probs else None
-        tokens, finish = engine._decode(*batch, params, generator, on_done=park, log_probs=lps)
+        tokens, finish = engine._decode(*batch, params, for_rows(generator, rows), on_done=park, log_probs=lps)
         for r, t, start in zip(rows, tokens, starts):
             self.unfed[r] = t[-1:]
             self.next_pos[r] = start + len(t) - 1  # the unfed last token's position

@@ -38,6 +38,7 @@ import torch
 
 from grouprl.errors import ModelLoadError
 from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession, SamplingParams
+from grouprl.rollout.engines.streams import Randomness, RowStreams
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ class VLLMEngine:
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Randomness = None,
         on_group_done: GroupDone | None = None,
         images: list[list] | None = None,
     ) -> list[Generation]:
@@ -276,7 +277,12 @@ class VLLMEngine:
         # greedy samples of one prompt are all alike: vLLM takes n = 1 there, copied n times
         copies = n if params.temperature == 0 else 1
         sampling = self._params(n // copies, params)
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+        if isinstance(generator, RowStreams):  # vLLM seeds per call: one seed from the rows' streams
+            seed = generator.call_seed()
+        elif generator is not None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        else:
+            seed = None
         devices = [torch.cuda.current_device()] if self.on_cuda else []
         done: dict[int, list[Generation]] = {}
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
