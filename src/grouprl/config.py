@@ -478,6 +478,10 @@ class ActorConfig:
     """Compute precision: bfloat16 = autocast over float32 weights; auto = bfloat16 where native (CUDA, AVX512-BF16/AMX CPUs)."""
     logits_chunk_size: int = 256
     """Response positions per chunk when computing log-probs (bounds the [tokens, vocab] tensor)."""
+    fsdp_reduce_dtype: Literal["compute", "float32"] = "float32"
+    """Several ranks (FSDP2): dtype of the gradient reduction; float32 keeps it exact under bf16 compute."""
+    fsdp_offload: bool = False
+    """Several ranks (FSDP2): keep sharded parameters, gradients and optimizer state in CPU memory."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
 

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
+from grouprl.trainer.parallel import full_tensor, inner
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,11 @@ FORMAT = 2
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    """Trainable parameters by name (tied weights appear once)."""
-    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    """Trainable parameters by name (tied weights appear once), whole: sharded ones are gathered
+    (every rank must call this)."""
+    return {
+        n: full_tensor(p.detach()).contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
@@ -52,7 +56,55 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
         )
     with torch.no_grad():
         for name, value in state.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))
+            param = params[name]
+            value = value.to(param.device, param.dtype)
+            if hasattr(param, "device_mesh"):  # a sharded parameter takes its own shard
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, param.device_mesh, param.placements)
+            param.copy_(value)
+
+
+def optimizer_state(model, optimizer) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name and whole (sharded state gathered from the
+    ranks; every rank must call this), so a checkpoint resumes on any number of ranks."""
+    names = {id(p): n for n, p in inner(model).named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    whole = lambda v: full_tensor(v).detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return {
+        "state": {order[i]: {k: whole(v) for k, v in state.items()} for i, state in saved["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+
+
+def load_optimizer_state(model, optimizer, saved: dict[str, Any]) -> None:
+    params = dict(inner(model).named_parameters())
+    order = [n for group in optimizer.param_groups for n in _names_of(group["params"], params)]
+    index = {n: i for i, n in enumerate(order)}
+    missing = [n for n in saved["state"] if n not in index]
+    if missing:
+        raise UserError(f"checkpoint's optimizer state does not match the model: e.g. {missing[0]}")
+
+    def local(name, v):  # a sharded parameter's state takes its own shard
+        p = params[name]
+        if isinstance(v, torch.Tensor) and hasattr(p, "device_mesh") and v.shape == p.shape:
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
+        return v
+
+    optimizer.load_state_dict(
+        {
+            "state": {index[n]: {k: local(n, v) for k, v in st.items()} for n, st in saved["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]],
+        }
+    )
+
+
+def _names_of(group_params, params: dict) -> list[str]:
+    names = {id(p): n for n, p in params.items()}
+    return [names[id(p)] for p in group_params]
 
 
 def rng_state() -> dict[str, Any]:
@@ -168,19 +220,33 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def save(
-        self, step: int, model, optimizer, scheduler, trainer_state: dict[str, Any], ref_model=None
+        self,
+        step: int,
+        model,
+        optimizer,
+        scheduler,
+        trainer_state: dict[str, Any],
+        ref_model=None,
+        write=True,
     ) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Every rank calls this (sharded state is gathered); the one with `write` writes."""
         final = self.root / f"step_{step}"
+        weights = trainable_state(inner(model))
+        ref = None
+        if ref_model is not None:
+            ref = {
+                n: full_tensor(p.detach()).contiguous().cpu() for n, p in inner(ref_model).named_parameters()
+            }
+        optim = {"optimizer": optimizer_state(model, optimizer), "scheduler": scheduler.state_dict()}
+        if not write:
+            return final
+        self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=self.root))
         try:
-            save_file(trainable_state(model), str(tmp / "model.safetensors"))
-            if ref_model is not None:
-                save_file(
-                    {n: p.detach().contiguous().cpu() for n, p in ref_model.named_parameters()},
-                    str(tmp / "ref_model.safetensors"),
-                )
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
+            save_file(weights, str(tmp / "model.safetensors"))
+            if ref is not None:
+                save_file(ref, str(tmp / "ref_model.safetensors"))
+            torch.save(optim, tmp / "optim.pt")
             tensors: dict[str, torch.Tensor] = {}
             (tmp / "trainer.json").write_text(json.dumps(encode_state(trainer_state, tensors)))
             save_file(tensors, str(tmp / "trainer.safetensors"))
@@ -242,9 +308,9 @@ class CheckpointManager:
         why = problem(path)
         if why is not None:
             raise UserError(f"not a valid checkpoint: {path} ({why})")
-        load_trainable_state(model, load_file(str(path / "model.safetensors")))
+        load_trainable_state(inner(model), load_file(str(path / "model.safetensors")))
         if ref_model is not None and (path / "ref_model.safetensors").is_file():
-            load_trainable_state(ref_model, load_file(str(path / "ref_model.safetensors")))
+            load_trainable_state(inner(ref_model), load_file(str(path / "ref_model.safetensors")))
         try:  # tensors and plain containers only: nothing in the file can run
             optim = torch.load(path / "optim.pt", weights_only=True)
         except pickle.UnpicklingError as e:
@@ -252,7 +318,7 @@ class CheckpointManager:
                 f"{path / 'optim.pt'} holds objects other than tensors and plain data; not loading it "
                 f"({str(e).splitlines()[0][:120]})"
             ) from None
-        optimizer.load_state_dict(optim["optimizer"])
+        load_optimizer_state(model, optimizer, optim["optimizer"])
         scheduler.load_state_dict(optim["scheduler"])
         tensors = load_file(str(path / "trainer.safetensors"))
         return decode_state(json.loads((path / "trainer.json").read_text()), tensors)

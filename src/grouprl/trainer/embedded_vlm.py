@@ -60,7 +60,9 @@ def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
         model = Idefics3ForConditionalGeneration(config)
     missing, unexpected = model.model.text_model.load_state_dict(text.model.state_dict(), strict=False)
     if missing or unexpected:  # pragma: no cover - a transformers layout change
-        raise RuntimeError(f"SmolLM2 weights do not fit the text model: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"SmolLM2 weights do not fit the text model: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     model.generation_config = text.generation_config
     image_processor = Idefics3ImageProcessorPil(

@@ -27,11 +27,19 @@ def save_into_cache(target: Path, *parts) -> None:
 
 
 def export_model(
-    model, tokenizer, target: Path, *, merge_lora: bool, meta: dict | None = None, processor=None
+    model,
+    tokenizer,
+    target: Path,
+    *,
+    merge_lora: bool,
+    meta: dict | None = None,
+    processor=None,
+    state_dict: dict | None = None,
 ) -> Path:
     """save_pretrained into `target` via a temp folder. With LoRA: adapters only, or (merge_lora)
     a merged copy that loads with plain from_pretrained. `processor` (a VLM's; anything with
-    save_pretrained) is saved beside the model, so the folder is a working VLM."""
+    save_pretrained) is saved beside the model, so the folder is a working VLM. `state_dict`: the
+    weights to write instead of the model's own (a sharded model's, gathered whole)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
@@ -41,7 +49,7 @@ def export_model(
             import copy
 
             to_save = copy.deepcopy(model).merge_and_unload()
-        to_save.save_pretrained(tmp)
+        to_save.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(tmp)
         if processor is not None:
             processor.save_pretrained(tmp)

@@ -138,12 +138,19 @@ class RolloutWriter:
         self.run = run
 
     def write(self, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str]) -> None:
-        if not trajectories:
-            return
+        self.write_lines(self.lines(self.run, step, trajectories, prompt_texts))
+
+    def write_lines(self, lines: list[str]) -> None:
+        if lines:
+            self.file.write("\n".join(lines) + "\n")
+
+    @staticmethod
+    def lines(run: str, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str]) -> list[str]:
+        """The trajectories' records (JSON lines)."""
         lines = []
         for t in trajectories:
             record = {
-                "run": self.run,
+                "run": run,
                 "step": step,
                 "uid": t.uid,
                 "sample": t.index,
@@ -161,7 +168,7 @@ class RolloutWriter:
                 "time": time.time(),
             }
             lines.append(json.dumps(record, default=str))
-        self.file.write("\n".join(lines) + "\n")
+        return lines
 
     def close(self):
         self.file.close()

@@ -230,7 +230,9 @@ def chunked_token_stats(
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_token_stats, h, t, head, temperature, with_entropy, banned, use_reentrant=False)
+            lp, ent = checkpoint(
+                _token_stats, h, t, head, temperature, with_entropy, banned, use_reentrant=False
+            )
         else:
             lp, ent = _token_stats(h, t, head, temperature, with_entropy, banned)
         outs_lp.append(lp)
@@ -340,7 +342,9 @@ def _num_layers(decoder) -> int:
     return len(decoder.layers)
 
 
-def unique_prompts(prompt_ids: list[list[int]], keys: list | None = None) -> tuple[list[list[int]], list[int]]:
+def unique_prompts(
+    prompt_ids: list[list[int]], keys: list | None = None
+) -> tuple[list[list[int]], list[int]]:
     """Distinct prompts in first-seen order and, per row, the index of its prompt (prompts are
     the same when their `keys` are, default their token ids)."""
     keys = keys if keys is not None else [tuple(p) for p in prompt_ids]
@@ -453,7 +457,9 @@ def response_log_probs(
         images = None
         if vision is not None:
             first_row = {u: i for i, u in reversed(list(enumerate(index)))}
-            images = [batch.prompt_images[first_row[u]] if batch.prompt_images else [] for u in range(len(prompts))]
+            images = [
+                batch.prompt_images[first_row[u]] if batch.prompt_images else [] for u in range(len(prompts))
+            ]
         prefix = prefix_forward(model, prompts, pad_token_id, opening, vision, images)
         hidden_at, targets, mask = _hidden_on_prefix(decoder, prefix, index, batch, vision, model)
     else:

@@ -75,9 +75,7 @@ def resolve_compute_dtype(
     if name == "float32":
         return None
     if param_dtype != torch.float32:
-        raise ModelLoadError(
-            f"{key}={name} needs float32 master weights; model.dtype gives {param_dtype}"
-        )
+        raise ModelLoadError(f"{key}={name} needs float32 master weights; model.dtype gives {param_dtype}")
     return torch.bfloat16
 
 

@@ -137,8 +137,14 @@ def load_sft_conversations(s: SFTConfig) -> tuple[list[Conversation], list[Conve
 
         where = Path("<task shapes>")
         return (
-            [_conversation(r, where, i) for i, r in enumerate(conversations(s.task_train_size, s.task_seed, "train"))],
-            [_conversation(r, where, i) for i, r in enumerate(conversations(s.task_val_size, s.task_seed, "val"))],
+            [
+                _conversation(r, where, i)
+                for i, r in enumerate(conversations(s.task_train_size, s.task_seed, "train"))
+            ],
+            [
+                _conversation(r, where, i)
+                for i, r in enumerate(conversations(s.task_val_size, s.task_seed, "val"))
+            ],
         )
     from grouprl.data.tasks.slides_files import write_slides_task
 
@@ -237,7 +243,9 @@ def batches_for(n_rows: int, s: SFTConfig, total_steps: int) -> list[list[int]]:
 
 # -- previews -----------------------------------------------------------------------------
 @torch.no_grad()
-def preview(model, tokenizer, conversations: list[Conversation], max_new_tokens: int, vision=None) -> list[dict]:
+def preview(
+    model, tokenizer, conversations: list[Conversation], max_new_tokens: int, vision=None
+) -> list[dict]:
     """Greedy first turn of each conversation (its messages before the first trained one);
     `vision`: a VLM's processor, which shows the turn's images."""
     from grouprl.data.prompts import encode_prompt
@@ -359,7 +367,9 @@ def run_sft(cfg: Config) -> dict:
         for r in records:
             samples_file.write(json.dumps({"when": when, **r}, ensure_ascii=False) + "\n")
         for key in ("protocol", "exact"):  # share of protocol-shaped turns, of turns equal to the gold one
-            summary[f"{key}_rate_{when}"] = metrics[f"eval/{key}_rate"] = sum(r[key] for r in records) / len(records)
+            summary[f"{key}_rate_{when}"] = metrics[f"eval/{key}_rate"] = sum(r[key] for r in records) / len(
+                records
+            )
 
     summary: dict = {
         "steps": total_steps,

@@ -92,7 +92,9 @@ def _conversation(record: dict[str, Any], path: Path, row: int) -> Conversation:
     images = images if isinstance(images, list) else [images]
     placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
     if placeholders != len(images):
-        raise DataError(f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s)")
+        raise DataError(
+            f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but {len(images)} image(s)"
+        )
     if any(IMAGE_PLACEHOLDER in messages[i]["content"] for i in train_on):
         raise DataError(f"{where}: a trained assistant message holds an {IMAGE_PLACEHOLDER} placeholder")
     images = [resolve(image, path.parent) for image in images]
@@ -128,7 +130,9 @@ def _after(text: str, prefix: str, what: str) -> str:
     return text[len(prefix) :]
 
 
-def tokenize_conversation(tokenizer: Any, conversation: Conversation, vision: Any = None) -> TokenizedConversation:
+def tokenize_conversation(
+    tokenizer: Any, conversation: Conversation, vision: Any = None
+) -> TokenizedConversation:
     """Token ids of the whole conversation and its loss mask (see the module docstring);
     `vision` (a VLM's VisionProcessor) turns the images into tokens and model inputs."""
     eos = tokenizer.eos_token_id

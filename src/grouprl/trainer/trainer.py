@@ -52,6 +52,7 @@ from grouprl.trainer.models import (
     resolve_rollout_dtype,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
+from grouprl.trainer.parallel import Ranks, gathered, inner, reduce_metrics, shard, whole_state_dict
 from grouprl.trainer.update import PolicyUpdater, build_step_tensors
 from grouprl.vision.families import is_vision_config
 from grouprl.vision.processor import VisionProcessor
@@ -126,6 +127,13 @@ class Trainer:
         )  # judges log to judge.jsonl
 
         self.device = resolve_device(cfg.trainer.device)
+        # torchrun / Ray ranks: each holds whole groups of every step (parallel.py)
+        self.ranks = Ranks.from_env(self.device.type)
+        if self.ranks.distributed:
+            self._check_parallel()
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.ranks.local_rank)
+                torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.compute_dtype = resolve_compute_dtype(cfg.actor.dtype, self.device, self.dtype)
         self.rollout_dtype = resolve_rollout_dtype(
@@ -172,13 +180,17 @@ class Trainer:
             )
         self.total_steps = cfg.trainer.total_steps or self.sampler.steps_for_epochs(cfg.trainer.total_epochs)
 
+        self.ref_model = self._make_reference()
+        # what the update runs: the model itself, or its FSDP2 root over several ranks
+        self.policy = self._shard(self.model)
+        if isinstance(self.ref_model, torch.nn.Module):
+            self.ref_model = self._shard(self.ref_model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         mini_batches = cfg.data.train_batch_size // (cfg.actor.mini_batch_size or cfg.data.train_batch_size)
         self.optimizer = build_optimizer(self.params, cfg.actor.optim)
         self.scheduler = build_scheduler(
             self.optimizer, cfg.actor.optim, self.total_steps * mini_batches * cfg.actor.ppo_epochs
         )
-        self.ref_model = self._make_reference()
         self.engine = build_engine(
             cfg.rollout,
             self.model,
@@ -204,8 +216,10 @@ class Trainer:
             rollout_is=cfg.algorithm.rollout_is,
             rollout_is_cap=cfg.algorithm.rollout_is_cap,
             vision=self.family,
+            ranks=self.ranks,
         )
         self._rollout_calls = 0  # rollouts of the current step (a refill draws new streams)
+        self._groups: list[int] = []  # this rank's groups of the step (their places in the batch)
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         self.step = 0
         self.history: list[dict] = []  # evaluation results by step
@@ -283,6 +297,33 @@ class Trainer:
             out.append(images)
         return out
 
+    def _check_parallel(self) -> None:
+        """What several ranks cannot do yet, and batch sizes that do not split into whole groups."""
+        c, world = self.cfg, self.ranks.world
+        self.ranks.share(c.data.train_batch_size)
+        if c.actor.mini_batch_size:
+            self.ranks.share(c.actor.mini_batch_size, "actor.mini_batch_size")
+        if c.data.sampler == "curriculum" and c.curriculum.dynamic_filter:
+            raise UserError(
+                f"curriculum.dynamic_filter runs in one process only (this run has {world} ranks)"
+            )
+        if c.model.lora.rank > 0:
+            raise UserError(f"model.lora runs in one process only for now (this run has {world} ranks)")
+        if c.rollout.engine != "hf":
+            raise UserError(
+                f"rollout.engine={c.rollout.engine} runs in one process only (this run has {world} ranks)"
+            )
+
+    def _shard(self, model):
+        """FSDP2 over a model when there are several ranks (parallel.shard); the model otherwise."""
+        if not self.ranks.distributed:
+            return model
+        compute = self.compute_dtype if self.compute_dtype not in (None, self.dtype) else None
+        reduce = (
+            torch.float32 if compute is not None and self.cfg.actor.fsdp_reduce_dtype == "float32" else None
+        )
+        return shard(model, param_dtype=compute, reduce_dtype=reduce, offload=self.cfg.actor.fsdp_offload)
+
     def _make_reference(self):
         """A frozen reference only when a KL coefficient needs it. With LoRA the reference is
         the base model with adapters disabled, not a second copy."""
@@ -301,7 +342,7 @@ class Trainer:
     def _ref_log_probs(self, tensors):
         if self.ref_model == "adapters-disabled":
             with self.model.disable_adapter():
-                return self.updater.score_all(self.model, tensors)
+                return self.updater.score_all(self.policy, tensors)
         return self.updater.score_all(self.ref_model, tensors)
 
     def _trainer_state(self) -> dict:
@@ -323,7 +364,7 @@ class Trainer:
         if path is None:
             return
         ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
-        state = CheckpointManager.load(path, self.model, self.optimizer, self.scheduler, ref_model=ref)
+        state = CheckpointManager.load(path, self.policy, self.optimizer, self.scheduler, ref_model=ref)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -336,9 +377,17 @@ class Trainer:
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
         ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
         state = trainer_state or self._trainer_state()
-        return self.checkpoints.save(
-            state["step"], self.model, self.optimizer, self.scheduler, state, ref_model=ref
+        path = self.checkpoints.save(
+            state["step"],
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            state,
+            ref_model=ref,
+            write=self.ranks.main,
         )
+        self.ranks.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
+        return path
 
     # ------------------------------------------------------------------ rollout
     def sampling_params(self, evaluation: bool = False) -> SamplingParams:
@@ -358,7 +407,7 @@ class Trainer:
         n: int,
         evaluation=False,
         on_group: Callable[[list[Trajectory]], None] | None = None,
-        first_group: int = 0,
+        first_group: int | list[int] = 0,
     ) -> list[Trajectory]:
         """n trajectories per prompt, prompt-major; `on_group(group)` gets each prompt's n
         trajectories as soon as they are all complete (streaming rewards). `first_group`: the
@@ -370,10 +419,19 @@ class Trainer:
         if evaluation:
             stream_seed = mix_seed(seed, EVALUATION_STREAM)
         else:
-            stream_seed, self._rollout_calls = mix_seed(seed, self.step, self._rollout_calls), self._rollout_calls + 1
-        keys = [(first_group + i) * n + j for i in range(len(prompts)) for j in range(n)]
+            stream_seed, self._rollout_calls = (
+                mix_seed(seed, self.step, self._rollout_calls),
+                self._rollout_calls + 1,
+            )
+        groups = (
+            first_group if isinstance(first_group, list) else [first_group + i for i in range(len(prompts))]
+        )
+        keys = [g * n + j for g in groups for j in range(n)]
         generator = RowStreams(stream_seed, keys)
-        params = self.sampling_params(evaluation)
+        with gathered(self.policy):  # several ranks: generation runs on the whole weights
+            return self._generate(samples, prompts, n, generator, on_group, self.sampling_params(evaluation))
+
+    def _generate(self, samples, prompts, n, generator, on_group, params) -> list[Trajectory]:
         images = self._images_of(samples)
         with_images = {"images": images} if images is not None else {}
         if self.agent is not None:
@@ -410,7 +468,12 @@ class Trainer:
 
         with autocast(self.device, self.rollout_dtype):
             generations = self.engine.generate(
-                prompts, n, params, generator, on_group_done=group_done if on_group is not None else None, **with_images
+                prompts,
+                n,
+                params,
+                generator,
+                on_group_done=group_done if on_group is not None else None,
+                **with_images,
             )
         return [made.get(k) or make(k, gen) for k, gen in enumerate(generations)]
 
@@ -440,17 +503,19 @@ class Trainer:
         c, n = self.cfg, self.cfg.rollout.n_agent
         clock = {"generate": 0.0, "reward": 0.0, "reward_hidden": 0.0}
 
-        def generate_and_score(samples, prompts):
+        def generate_and_score(samples, prompts, first_group=0):
             t0 = time.perf_counter()
             if self.streaming is not None:
-                trajectories = self.rollout(samples, prompts, n, on_group=self.streaming.submit)
+                trajectories = self.rollout(
+                    samples, prompts, n, on_group=self.streaming.submit, first_group=first_group
+                )
                 t1 = time.perf_counter()
                 metrics = self.streaming.finish(t1)
                 clock["reward_hidden"] += metrics.pop("time/reward_hidden")
                 metrics.pop("time/reward_span")
                 clock["reward"] += metrics.pop("time/reward")
             else:
-                trajectories = self.rollout(samples, prompts, n)
+                trajectories = self.rollout(samples, prompts, n, first_group=first_group)
                 t1 = time.perf_counter()
                 metrics = self.reward.score(trajectories)
                 clock["reward"] += time.perf_counter() - t1
@@ -463,14 +528,20 @@ class Trainer:
             return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
 
         def keep_groups(keep: list[int]):
+            self._groups = [self._groups[g] for g in keep] if self.ranks.distributed else self._groups
             return (
                 [samples[g] for g in keep],
                 [prompts[g] for g in keep],
                 [t for g in keep for t in trajectories[g * n : (g + 1) * n]],
             )
 
-        samples, prompts = self._next_prompts()
-        trajectories, metrics = generate_and_score(samples, prompts)
+        samples, prompts = self._next_prompts()  # the whole step's, the same on every rank
+        # this rank's whole groups: its part of every mini-batch, so that each optimizer step
+        # sees the groups it sees in one process
+        mine = self.ranks.share(len(samples), block=c.actor.mini_batch_size or len(samples))
+        samples, prompts = [samples[g] for g in mine], [prompts[g] for g in mine]
+        self._groups = mine
+        trajectories, metrics = generate_and_score(samples, prompts, mine)
         curriculum = isinstance(self.sampler, OnlineCurriculum)
         dynamic_filter = curriculum and c.curriculum.dynamic_filter
         if dynamic_filter:
@@ -488,8 +559,12 @@ class Trainer:
                 )
         if curriculum:
             rewards = group_rewards()
-            for sample, group in zip(samples, rewards):  # every generated group teaches the tracker
-                self.sampler.update(sample.uid, group)
+            # every generated group teaches the tracker, on every rank in the same order
+            # (with dynamic_filter, one process: the refills follow the first draw)
+            groups = self._groups if self.ranks.distributed else range(len(samples))
+            mine = [(g, s.uid, r) for g, s, r in zip(groups, samples, rewards)]
+            for _, uid, group in sorted(x for part in self.ranks.gather(mine) for x in part):
+                self.sampler.update(uid, group)
         if dynamic_filter:
             selection = select_groups(rewards, c.data.train_batch_size)
             self.sampler.note_selection(selection)
@@ -522,25 +597,32 @@ class Trainer:
         self._rollout_calls = 0
         samples, prompts, trajectories, metrics = self._rollout_and_score()
         t_reward = time.perf_counter()
-        if not trajectories:  # every group dropped (judge failures): nothing to learn from
+        if not self.ranks.reduce([len(trajectories)])[0]:  # every group dropped (judge failures)
             log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
             self.step += 1
             self.counters["steps_without_update"] += 1
             self._pre_step_state = self._trainer_state()
             return metrics, trajectories
 
+        if self.ranks.distributed and not trajectories:
+            raise UserError(
+                "every group of one rank was dropped (judge failures): with several ranks set "
+                "reward.on_failure to a fallback score instead of drop_group"
+            )
         tensors = build_step_tensors(
             trajectories,
             self.device,
             mask_truncated=c.rollout.mask_truncated,
             pad_token_id=self.engine.pad_token_id,
+            # the same padded length on every rank (seq-mean-token-sum-norm divides by it)
+            width=int(self.ranks.reduce([max(len(t.response_ids) for t in trajectories)], "max")[0]),
         )
         need_ref = self.ref_model is not None
         # the trainer's own log-probs of the sampled tokens, when a loss is taken after a first
         # optimizer step or for a KL penalty; else the update's own first pass gives them (and,
         # against an engine with its own copy of the weights, keeps them for the mismatch metrics)
         if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0:
-            tensors.old_log_probs = self.updater.score_all(self.model, tensors)
+            tensors.old_log_probs = self.updater.score_all(self.policy, tensors)
         if need_ref:
             tensors.ref_log_probs = self._ref_log_probs(tensors)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
@@ -565,7 +647,7 @@ class Trainer:
         self._updating = True
         metrics.update(
             self.updater.update(
-                self.model, self.optimizer, self.scheduler, tensors, len(samples), self.params
+                self.policy, self.optimizer, self.scheduler, tensors, len(samples), self.params
             )
         )
         t_update = time.perf_counter()
@@ -581,7 +663,7 @@ class Trainer:
             and self.step % c.algorithm.ref_refresh_steps == 0
             and self.ref_model is not None
         ):
-            self.ref_model.load_state_dict(self.model.state_dict())
+            inner(self.ref_model).load_state_dict(self.model.state_dict())
 
         grouped = rewards.view(-1, n)
         lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
@@ -611,6 +693,7 @@ class Trainer:
         )
         if torch.cuda.is_available() and self.device.type == "cuda":
             metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        metrics = reduce_metrics(metrics, self.ranks)  # one value per metric over the ranks
         # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
@@ -638,23 +721,29 @@ class Trainer:
             return {}
         t0 = time.perf_counter()
         batch = self.cfg.rollout.gen_batch_size or 64
+        mine = self.ranks.split(len(keep))  # several ranks: each answers its block
         trajectories: list[Trajectory] = []
-        for start in range(0, len(keep), batch):
-            chunk = keep[start : start + batch]
-            trajectories += self.rollout(
-                [s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True, first_group=start
-            )
+        with gathered(self.policy):
+            for start in range(mine.start, mine.stop, batch):
+                chunk = keep[start : min(start + batch, mine.stop)]
+                trajectories += self.rollout(
+                    [s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True, first_group=start
+                )
         self.reward.score(trajectories)
         metric = self.cfg.reward.val_metric
-        values = [t.reward if metric == "reward" else t.rewards[metric] for t in trajectories]
+        rows = [
+            (t.reward if metric == "reward" else t.rewards[metric], t.reward, len(t.response_ids), t.rewards)
+            for t in trajectories
+        ]
+        rows = [row for part in self.ranks.gather(rows) for row in part]
         out = {
-            "val/accuracy": float(np.nanmean(values)),  # NaN: a failed judge (drop_group)
-            "val/reward": float(np.nanmean([t.reward for t in trajectories])),
-            "val/response_length": float(np.mean([len(t.response_ids) for t in trajectories])),
+            "val/accuracy": float(np.nanmean([r[0] for r in rows])),  # NaN: a failed judge (drop_group)
+            "val/reward": float(np.nanmean([r[1] for r in rows])),
+            "val/response_length": float(np.mean([r[2] for r in rows])),
             "time/eval": time.perf_counter() - t0,
         }
-        for name in trajectories[0].rewards:
-            out[f"val/{name}"] = float(np.nanmean([t.rewards[name] for t in trajectories]))
+        for name in rows[0][3]:
+            out[f"val/{name}"] = float(np.nanmean([r[3][name] for r in rows]))
         self.history.append({"step": self.step, **out})
         return out
 
@@ -663,14 +752,22 @@ class Trainer:
             return
         if val["val/accuracy"] > self.best_metric:
             self.best_metric = val["val/accuracy"]
+            self._export(self.run_dir / "best", merge_lora=False, meta={"step": self.step, **val})
+
+    def _export(self, target: Path, *, merge_lora: bool, meta: dict) -> None:
+        """A Hugging Face folder of the policy, whole (gathered from the ranks), written once."""
+        state = whole_state_dict(self.model) if self.ranks.distributed else None  # every rank gathers
+        if self.ranks.main:
             export_model(
                 self.model,
                 self.tokenizer,
-                self.run_dir / "best",
-                merge_lora=False,
-                meta={"step": self.step, **val},
+                target,
+                merge_lora=merge_lora,
+                meta=meta,
                 processor=self.vision,
+                state_dict=state,
             )
+        self.ranks.barrier()
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -679,22 +776,30 @@ class Trainer:
         # lines a crashed run wrote after its last checkpoint are dropped: the resumed run redoes them
         # (resume_mode=disable starts the logs afresh)
         keep_until = -1 if c.resume_mode == "disable" else self.step
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
-            drop_lines_after(self.run_dir / name, keep_until)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
-        loggers = make_loggers(
-            c.loggers,
-            self.run_dir,
-            total_steps=self.total_steps,
-            start_step=self.step,
-            project=c.project_name,
-            experiment=c.experiment_name,
-            config=to_dict(self.cfg),
+        main = self.ranks.main  # with several ranks, the first one writes the logs
+        if main:
+            for name in ("metrics.jsonl", "rollouts.jsonl"):
+                drop_lines_after(self.run_dir / name, keep_until)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        loggers = (
+            make_loggers(
+                c.loggers,
+                self.run_dir,
+                total_steps=self.total_steps,
+                start_step=self.step,
+                project=c.project_name,
+                experiment=c.experiment_name,
+                config=to_dict(self.cfg),
+            )
+            if main
+            else []
         )
         console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
-        say = console.print if console else print
+        say = console.print if console else print if main else lambda *a: None
         rollouts = (
-            RolloutWriter(self.run_dir / "rollouts.jsonl", c.experiment_name) if c.log_rollouts else None
+            RolloutWriter(self.run_dir / "rollouts.jsonl", c.experiment_name)
+            if c.log_rollouts and main
+            else None
         )
         prompt_text = {}
         started = time.perf_counter()
@@ -710,10 +815,19 @@ class Trainer:
                     say(f"time limit of {c.max_time_minutes} min reached at step {self.step}")
                     break
                 metrics, trajectories = self.train_step()
-                if rollouts:
+                if c.log_rollouts:  # every rank's trajectories, in the batch's order
                     for t in trajectories:
                         prompt_text.setdefault(t.uid, t.sample.messages[-1].get("content", ""))
-                    rollouts.write(self.step, trajectories, prompt_text)
+                    lines = RolloutWriter.lines(c.experiment_name, self.step, trajectories, prompt_text)
+                    n = self.cfg.rollout.n_agent  # in the batch's order: by group, then sample
+                    groups = self._groups if self.ranks.distributed else range(len(lines) // n + 1)
+                    mine = [(groups[k // n], k % n, line) for k, line in enumerate(lines)]
+                    if rollouts:
+                        rollouts.write_lines(
+                            [x[2] for x in sorted(y for part in self.ranks.gather(mine) for y in part)]
+                        )
+                    else:
+                        self.ranks.gather(mine)
                 if (
                     c.test_freq
                     and self.step % c.test_freq == 0
@@ -734,14 +848,7 @@ class Trainer:
                 self._maybe_save_best(val)
             self.save_checkpoint()
             if c.save_final:
-                export_model(
-                    self.model,
-                    self.tokenizer,
-                    self.run_dir / "final",
-                    merge_lora=True,
-                    meta={"step": self.step},
-                    processor=self.vision,
-                )
+                self._export(self.run_dir / "final", merge_lora=True, meta={"step": self.step})
         except KeyboardInterrupt:
             # Interrupted while generating or scoring, the weights are those of the last finished
             # step: save them with the state from before this step, so nothing finished is lost
@@ -767,7 +874,8 @@ class Trainer:
                 self.streaming = None
             self.reward.close()
         summary = self.summary()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(summary["line"])
         return summary
 

@@ -31,6 +31,7 @@ from grouprl.trainer.logprobs import (
     shared_opening,
 )
 from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
+from grouprl.trainer.parallel import Ranks, accumulating, full_tensor, gathered, run, sync_gradients
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,11 @@ class StepTensors:
 
 
 def build_step_tensors(
-    trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int
+    trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int, width: int = 0
 ) -> StepTensors:
+    """`width`: pad the responses to at least this length (the longest of every rank's)."""
     n = len(trajectories)
-    width = max(1, max(len(t.response_ids) for t in trajectories))
+    width = max(1, width, max(len(t.response_ids) for t in trajectories))
     response_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width), dtype=torch.float32)
@@ -96,14 +98,22 @@ def build_step_tensors(
     )
 
 
-def micro_batch_weight(mode: str, micro_mask: torch.Tensor, mini_mask: torch.Tensor) -> float:
-    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss."""
+def batch_total(mode: str, mask: torch.Tensor) -> float:
+    """What a mini-batch's loss is divided by: its loss tokens (token-mean), its non-empty rows
+    (sequence means), nothing (seq-mean-token-sum-norm: a sum over tokens / the padded T)."""
     if mode == "token-mean":
-        return float(micro_mask.sum()) / max(float(mini_mask.sum()), 1.0)
-    if mode == "seq-mean-token-sum-norm":  # a sum over tokens / T: shares add up (same padded T)
+        return float(mask.sum())
+    if mode == "seq-mean-token-sum-norm":
         return 1.0
-    rows = lambda m: float((m.sum(-1) > 0).sum())  # noqa: E731 - seq means count non-empty rows
-    return rows(micro_mask) / max(rows(mini_mask), 1.0)
+    return float((mask.sum(-1) > 0).sum())  # seq means count non-empty rows
+
+
+def micro_batch_weight(mode: str, micro_mask: torch.Tensor, mini_total: float) -> float:
+    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss
+    (`mini_total`: batch_total of the whole mini-batch, over every rank)."""
+    if mode == "seq-mean-token-sum-norm":  # shares add up (same padded T)
+        return 1.0
+    return batch_total(mode, micro_mask) / max(mini_total, 1.0)
 
 
 # Metrics that are token means over the micro-batch (not terms of the loss): the mini-batch's
@@ -129,11 +139,15 @@ class PolicyUpdater:
         rollout_is: str = "off",
         rollout_is_cap: float = 2.0,
         vision=None,
+        ranks: Ranks | None = None,
     ):
         """`rollout_is` ("off" | "token" | "sequence"): truncated importance weights of an
         engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs, capped at
         `rollout_is_cap`, multiply each token's policy-gradient loss."""
         self.cfg = cfg
+        # several ranks: this one holds a block of whole groups of the step; loss weights are
+        # global (over every rank's rows), gradients summed by FSDP's reduction
+        self.ranks = ranks or Ranks()
         self.vision = vision  # the VLM family of the policy (grouprl.vision), None for text
         self.rollout_is, self.rollout_is_cap = rollout_is, rollout_is_cap
         self._recorded: torch.Tensor | None = None  # [N, R] on-policy log-probs of the current update
@@ -156,8 +170,9 @@ class PolicyUpdater:
         """Rows `index`; with `prefix` (the prompts of `unit`, already run) only the responses run;
         with `opening` (see `opening_forward`) the prompts' common opening is not run again."""
         with self._autocast(model):
-            return response_log_probs(
+            return run(
                 model,
+                response_log_probs,
                 tensors.rows(index),
                 shared_prefix=self.cfg.shared_prefix,
                 temperature=self.temperature,
@@ -182,7 +197,7 @@ class PolicyUpdater:
             row_of = {u: r for r, u in unit.prompt_of_row.items()}
             images = [tensors.prompt_images[row_of[u]] for u in range(len(unit.prompts))]
         with self._autocast(model):
-            return prefix_forward(model, unit.prompts, self.pad_token_id, opening, self.vision, images)
+            return run(model, prefix_forward, unit.prompts, self.pad_token_id, opening, self.vision, images)
 
     def opening_forward(self, model, tensors: StepTensors, rows: list[int]) -> Prefix | None:
         """The opening that the distinct prompts of `rows` share (a system prompt, example turns),
@@ -197,7 +212,7 @@ class PolicyUpdater:
         if not tokens:
             return None
         with self._autocast(model):
-            return prefix_forward(model, [tokens], self.pad_token_id)
+            return run(model, prefix_forward, [tokens], self.pad_token_id)
 
     def plan(self, tensors: StepTensors, rows: list[int]) -> list[PrefixUnit]:
         """Micro-batches of `rows` by row count or token budget (see micro_batches.py)."""
@@ -215,6 +230,9 @@ class PolicyUpdater:
     def score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         """Log-probs of every row without gradient (old or reference policy), [N, R], in the
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
+        if self.ranks.distributed:  # on whole weights: ranks run different numbers of passes
+            with gathered(model):
+                return self._score_all(model, tensors)
         with cpu.lean_scoring(model, self.cfg):
             return self._score_all(model, tensors)
 
@@ -234,7 +252,7 @@ class PolicyUpdater:
     def needs_old_log_probs(self, num_prompts: int) -> bool:
         """True when some loss is computed after an optimizer step: a second epoch, or a second
         mini-batch (also a last, smaller one: 3 prompts in mini-batches of 2 take two steps)."""
-        mini = self.cfg.mini_batch_size or num_prompts
+        mini = self.cfg.mini_batch_size // self.ranks.world or num_prompts
         return self.cfg.ppo_epochs > 1 or mini < num_prompts
 
     def update(
@@ -242,6 +260,8 @@ class PolicyUpdater:
     ) -> dict[str, float]:
         # the head's weight gradient goes straight into .grad (logprobs.py); on a CPU, the layers
         # keep fewer activations and freed memory goes back to the OS (grouprl.cpu)
+        if self.ranks.distributed:  # the CPU devices patch layers FSDP already manages
+            return self._update(model, optimizer, scheduler, tensors, num_prompts, params, lambda: None)
         with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
             return self._update(model, optimizer, scheduler, tensors, num_prompts, params, before_backward)
 
@@ -250,8 +270,10 @@ class PolicyUpdater:
     ) -> dict[str, float]:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
-        if cfg.mini_batch_size and cfg.mini_batch_size < num_prompts:
-            rows_per_mini = cfg.mini_batch_size * (n_rows // max(num_prompts, 1))
+        world = self.ranks.world
+        mini_prompts = cfg.mini_batch_size // world  # this rank's share of a mini-batch
+        if mini_prompts and mini_prompts < num_prompts:
+            rows_per_mini = mini_prompts * (n_rows // max(num_prompts, 1))
         else:  # the whole batch in one step, even if groups are uneven (n_rows % num_prompts != 0)
             rows_per_mini = n_rows
         sums: dict[str, float] = defaultdict(float)
@@ -269,32 +291,53 @@ class PolicyUpdater:
             # multiple of n_agent
             for mini in split(list(range(n_rows)), rows_per_mini):
                 mini_mask = tensors.loss_mask[mini]
+                # the mini-batch's tokens / rows over every rank; the ranks' gradients are summed
+                # (FSDP averages: x world)
+                totals = self.ranks.reduce(
+                    [batch_total(cfg.loss_agg_mode, mini_mask), batch_total("token-mean", mini_mask)]
+                )
+                mode_total, token_total = totals
                 optimizer.zero_grad(set_to_none=True)
-                micro_metrics: dict[str, float] = defaultdict(float)
-                # the opening all prompts share runs once: every micro-batch backpropagates into
-                # its leaves, then the opening once, after all of them (likewise a group's prompt)
-                opening = self.opening_forward(model, tensors, mini)
-                opened = opening.detached() if opening is not None else None
-                for unit in self.plan(tensors, mini):
-                    # a group split over several micro-batches runs its prompt once: the
-                    # micro-batches backpropagate into the prefix's leaves, then the prefix once
-                    prefix = self._prefix(model, unit, tensors, opened) if len(unit.micro_batches) > 1 else None
-                    leaves = prefix.detached() if prefix is not None else None
-                    for micro in unit.micro_batches:
-                        weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mini_mask)
-                        token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], mini_mask)
-                        loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened)
-                        if weight > 0:
-                            before_backward()
-                            (loss * weight).backward()
-                        for k, v in m.items():
-                            micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
-                    if prefix is not None:
-                        prefix.backward_from(leaves)
-                        del prefix, leaves
-                if opening is not None:
-                    opening.backward_from(opened)
-                    del opening, opened
+                with accumulating(model):  # several ranks: whole weights, no collective until the sync
+                    micro_metrics: dict[str, float] = defaultdict(float)
+                    # the opening all prompts share runs once: every micro-batch backpropagates into
+                    # its leaves, then the opening once, after all of them (likewise a group's prompt)
+                    opening = self.opening_forward(model, tensors, mini)
+                    opened = opening.detached() if opening is not None else None
+                    for unit in self.plan(tensors, mini):
+                        # a group split over several micro-batches runs its prompt once: the
+                        # micro-batches backpropagate into the prefix's leaves, then the prefix once
+                        prefix = (
+                            self._prefix(model, unit, tensors, opened)
+                            if len(unit.micro_batches) > 1
+                            else None
+                        )
+                        leaves = prefix.detached() if prefix is not None else None
+                        for micro in unit.micro_batches:
+                            weight = micro_batch_weight(
+                                cfg.loss_agg_mode, tensors.loss_mask[micro], mode_total
+                            )
+                            token_share = micro_batch_weight(
+                                "token-mean", tensors.loss_mask[micro], token_total
+                            )
+                            loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened)
+                            if weight > 0:
+                                before_backward()
+                                (loss * (weight * world)).backward()
+                            for k, v in m.items():
+                                micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
+                        if prefix is not None:
+                            prefix.backward_from(leaves)
+                            del prefix, leaves
+                    if opening is not None:
+                        opening.backward_from(opened)
+                        del opening, opened
+                    sync_gradients(model, self.pad_token_id)
+                if self.ranks.distributed:  # each rank's metrics are its share of the mini-batch's
+                    keys = sorted(micro_metrics)
+                    micro_metrics = defaultdict(
+                        float, zip(keys, self.ranks.reduce([micro_metrics[k] for k in keys]))
+                    )
                 grad_norm = self._clip(params)
                 finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
                 if finite or not self.skip_nonfinite:
@@ -319,11 +362,13 @@ class PolicyUpdater:
     def _clip(self, params) -> float:
         clip = self.cfg.optim.grad_clip
         if clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, clip))
-        grads = [p.grad.norm() for p in params if p.grad is not None]
+            return float(full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)))
+        grads = [full_tensor(p.grad).norm() for p in params if p.grad is not None]
         return float(torch.stack(grads).norm()) if grads else 0.0
 
-    def _micro_loss(self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None):
+    def _micro_loss(
+        self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None
+    ):
         cfg = self.cfg
         want_entropy = cfg.entropy_coef != 0
         log_probs, entropy = self.log_probs(
@@ -334,9 +379,15 @@ class PolicyUpdater:
         if self._recorded is not None:
             self._recorded[micro] = old.float()
         weights = None
-        if self.rollout_is != "off" and tensors.rollout_log_probs is not None:  # per row: exact per micro-batch
+        if (
+            self.rollout_is != "off" and tensors.rollout_log_probs is not None
+        ):  # per row: exact per micro-batch
             weights, _ = rollout_is_weights(
-                self.rollout_is, old.float(), tensors.rollout_log_probs[micro], loss_mask, cap=self.rollout_is_cap
+                self.rollout_is,
+                old.float(),
+                tensors.rollout_log_probs[micro],
+                loss_mask,
+                cap=self.rollout_is_cap,
             )
         pg_loss, m = policy_loss(
             cfg.policy_loss,

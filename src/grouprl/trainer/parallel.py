@@ -1,0 +1,267 @@
+"""Several processes training one policy: ranks, group sharding, FSDP2 wrapping.
+
+Launched by `torchrun --nproc-per-node N -m grouprl train cfg.yaml` (or `--nnodes`), every rank
+runs the same loop. All ranks draw the same global batch; rank r keeps a contiguous block of
+whole groups (a group's n samples never span ranks, so advantages stay exact), generates,
+scores and updates on it. The model is sharded with FSDP2 (`fully_shard` per decoder layer and
+once at the root); the loss weights are global (see update.py), so the summed gradient equals
+the gradient of one process on the whole batch.
+
+Everything the update runs goes through `Policy.__call__(fn, ...)`, a root module whose forward
+calls `fn(model, ...)`, so FSDP's hooks see it while the log-prob code keeps reading the head's
+weight itself. Within a mini-batch the parameters are gathered once (`accumulating`): ranks
+run different numbers of forward passes (shared prefixes, token budgets) without collectives,
+gradients accumulate locally, and `sync_gradients` reduce-scatters them in one pass that every
+rank makes. Parameters, gradients and optimizer state stay sharded between mini-batches (the
+memory of ZeRO-2 during a mini-batch, of FSDP outside it). Generation and scoring run on
+gathered weights (`gathered`), as an inference engine would be given them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from grouprl.errors import UserError
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @classmethod
+    def from_env(cls, device_type: str) -> Ranks:
+        """The ranks torchrun (or a Ray worker group) described in the environment; one rank
+        when there is none. Joins the process group (NCCL on CUDA, gloo on CPU)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+    def share(self, num: int, what: str = "data.train_batch_size", block: int = 0) -> list[int]:
+        """This rank's items (groups) of `num`: of every `block` of them (a mini-batch), its
+        contiguous part; `num` and `block` multiples of the world size."""
+        block = block or num
+        for size, name in ((num, what), (block, "actor.mini_batch_size")):
+            if size % self.world:
+                raise UserError(f"{name}={size} must be a multiple of the number of ranks ({self.world})")
+        k = block // self.world
+        return [start + self.rank * k + i for start in range(0, num, block) for i in range(k)]
+
+    def split(self, num: int) -> range:
+        """This rank's block of `num` items, as even as may be (evaluation)."""
+        lo, hi = num * self.rank // self.world, num * (self.rank + 1) // self.world
+        return range(lo, hi)
+
+    def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.float64)
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(t, op=ops[op])
+        return t.tolist()
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+# metrics whose global value is not the mean of the ranks' values
+_SUMMED = ("reward/errors", "batch/dropped_groups")
+_MAXED = ("time/", "perf/peak_")
+
+
+def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
+    """One value per metric over the ranks: counts summed, times and peaks the slowest rank's,
+    maxima/minima as such, the rest (means over equal shares) averaged; every rank must pass the
+    same keys (the loop computes the same metrics everywhere)."""
+    if not ranks.distributed:
+        return {**metrics, "dist/world_size": 1.0}
+    keys = sorted(metrics)
+    if len(set(map(tuple, ranks.gather(keys)))) != 1:
+        raise RuntimeError("ranks report different metrics")
+    values = [float(metrics[k]) for k in keys]
+    total, most, least = (ranks.reduce(values, op) for op in ("sum", "max", "min"))
+    out = {}
+    for i, k in enumerate(keys):
+        if k.startswith(_SUMMED) or k.startswith("perf/") and k.endswith("tokens_per_s"):
+            out[k] = total[i]
+        elif k.startswith(_MAXED) or k.endswith("max"):
+            out[k] = most[i]
+        elif k.endswith("min"):
+            out[k] = least[i]
+        else:
+            out[k] = total[i] / ranks.world
+    out["dist/world_size"] = float(ranks.world)
+    return out
+
+
+class Policy(torch.nn.Module):
+    """The root of the sharded model: `policy(fn, *args)` runs `fn(model, *args)` inside the
+    root's forward, so FSDP gathers what `fn` touches and reduces its gradients."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.whole = False  # inside `gathered`
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP shards one by one (the classes transformers names as never to
+    be split across devices)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserError(f"cannot find the decoder layers of {type(base).__name__} to shard")
+    return layers
+
+
+def shard(
+    model: torch.nn.Module,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    offload: bool = False,
+) -> Policy:
+    """FSDP2 over `model`: each decoder layer, then the root (everything else)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {}
+    if param_dtype is not None or reduce_dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    policy = Policy(model)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **options)
+    fully_shard(policy, **options)
+    with torch.no_grad():  # FSDP initialises from the root's first forward, before any layer's
+        policy(lambda model: None)
+    policy.reshard()  # the root keeps its weights whole after a forward: the optimizer takes shards
+    return policy
+
+
+def run(model, fn, *args, **kwargs):
+    """`fn(model, *args)`, through the FSDP root when `model` is a sharded `Policy`."""
+    if isinstance(model, Policy):
+        return model(fn, *args, **kwargs)
+    return fn(model, *args, **kwargs)
+
+
+def inner(model) -> torch.nn.Module:
+    """The Hugging Face model (inside a `Policy`, or itself)."""
+    return model.model if isinstance(model, Policy) else model
+
+
+def _fsdp_modules(policy: Policy) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in policy.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model) -> Iterator[None]:
+    """Within the block every parameter of a sharded policy is whole on every rank (and stays
+    so through forward passes): generation and exports run on the plain model."""
+    if not isinstance(model, Policy) or model.whole:  # not sharded, or gathered already
+        yield
+        return
+    modules = _fsdp_modules(model)
+    layers = [m for m in modules if m is not model]  # the root's own forward is not called here
+    model.whole = True
+    for m in modules:
+        m.unshard()
+    for m in layers:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        model.whole = False
+        for m in layers:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in modules:
+            m.reshard()
+
+
+@contextlib.contextmanager
+def accumulating(model) -> Iterator[None]:
+    """Within the block a sharded policy's parameters are whole, passes keep them so, and
+    gradients accumulate on each rank without communication until `sync_gradients`."""
+    if not isinstance(model, Policy):
+        yield
+        return
+    modules = _fsdp_modules(model)
+    layers = [m for m in modules if m is not model]
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_backward(False, recurse=False)
+        m.set_requires_gradient_sync(False, recurse=False)
+    for m in layers:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+            m.reshard()
+
+
+def sync_gradients(model, pad_token_id: int) -> None:
+    """Inside `accumulating`: one pass of zero weight on every rank, whose backward
+    reduce-scatters every module's accumulated gradients (summed over ranks, / world)."""
+    if not isinstance(model, Policy):
+        return
+    for m in _fsdp_modules(model):
+        m.set_requires_gradient_sync(True, recurse=False)
+    token = torch.tensor([[pad_token_id]], device=next(model.parameters()).device)
+    logits = model(lambda m: m(input_ids=token).logits)
+    (logits.float().sum() * 0.0).backward()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter or gradient gathered whole; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def whole_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with sharded tensors gathered whole on CPU (every rank must call
+    this); tied weights stay one tensor."""
+    whole: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, value in model.state_dict().items():
+        if id(value) not in whole:
+            whole[id(value)] = full_tensor(value).detach().cpu()
+        out[name] = whole[id(value)]
+    return out

@@ -1,0 +1,128 @@
+"""Several ranks (torchrun, gloo on CPU, FSDP2) give the run of one process: the same prompts
+drawn, the same samples, rewards, advantages, loss and gradient norm at every step, the same
+weights afterwards; a checkpoint saved on 2 ranks resumes on 1 (and on 2) as an uninterrupted
+run continues.
+
+The settings make the ranks' work differ: 3-row micro-batches over a rank's 8 rows (3 + 3 + 2),
+two optimizer steps per step (mini-batches of 2 groups, one per rank), a sharded KL reference,
+and held-out prompts split over the ranks."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import LOWER_FRACTION, tiny_model_dir, write_run_config
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = [
+    "data.train_batch_size=4",
+    "rollout.n_agent=4",
+    "rollout.max_response_length=8",
+    "actor.micro_batch_size=3",
+    "actor.mini_batch_size=2",
+    "actor.dtype=float32",
+    "actor.kl_loss_coef=0.1",
+    "trainer.total_steps=3",
+    "trainer.save_best=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(config, ranks: int, *overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if ranks == 1:
+        command = [sys.executable, "-m", "grouprl", "train", str(config)]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "grouprl", "train", str(config),
+        ]  # fmt: skip
+    done = subprocess.run([*command, *SETTINGS, *overrides], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def records(run_dir):
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [
+        (r["step"], r["uid"], r["sample"], r["response"], r["reward"], round(r["advantage"], 6))
+        for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())
+    ]
+    return {m["step"]: m for m in metrics if "actor/grad_norm" in m}, rollouts
+
+
+def final_weights(run_dir, step=3):
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    model = tiny_model_dir(root / "model")
+    return root, write_run_config(root, model, reward=LOWER_FRACTION)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_ranks_equal_one(setup, mode):
+    root, config = setup
+    runs = {}
+    for ranks in (1, 2):
+        name = f"{mode}-{ranks}"
+        train(config, ranks, f"actor.loss_agg_mode={mode}", f"trainer.experiment_name={name}")
+        runs[ranks] = root / "runs" / name
+    (one_metrics, one_rollouts), (two_metrics, two_rollouts) = records(runs[1]), records(runs[2])
+    assert two_rollouts == one_rollouts  # same prompts, samples, rewards, advantages, in order
+    assert len(one_rollouts) == 3 * 16 and len({r[3] for r in one_rollouts}) > 10
+    assert sorted(one_metrics) == sorted(two_metrics) == [1, 2, 3]
+    for step in (1, 2, 3):
+        one, two = one_metrics[step], two_metrics[step]
+        assert two["dist/world_size"] == 2 and one["dist/world_size"] == 1
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/clipfrac"):
+            if key in one:
+                assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (step, key)
+    w1, w2 = final_weights(runs[1]), final_weights(runs[2])
+    assert w1.keys() == w2.keys()
+    start = load_file(str(root / "model" / "model.safetensors"))
+    moved = max(float((w1[n] - start[n]).abs().max()) for n in w1 if n in start)
+    assert moved > 1e-3  # training changed the weights, so the comparison below means something
+    for name in w1:
+        # Adam divides by small second moments: float reordering moves a weight by < 1% of a step (lr 1e-2)
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-4)
+    # the evaluation (held-out prompts split over the ranks) agrees too
+    evals = [
+        [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val/accuracy" in line]
+        for run in (runs[1], runs[2])
+    ]
+    assert [e["val/accuracy"] for e in evals[0]] == pytest.approx([e["val/accuracy"] for e in evals[1]])
+    # the final export is one whole Hugging Face folder
+    assert (runs[2] / "final" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("resume_ranks", [1, 2])
+def test_saved_on_two_ranks_resumes_on_one_or_two(setup, resume_ranks):
+    root, config = setup
+    reference = root / "runs" / "uninterrupted"
+    if not reference.is_dir():
+        train(config, 1, "trainer.experiment_name=uninterrupted")
+    name = f"resumed-on-{resume_ranks}"
+    train(config, 2, f"trainer.experiment_name={name}", "trainer.total_steps=2")
+    assert (root / "runs" / name / "checkpoints" / "step_2" / "manifest.json").is_file()
+    done = train(config, resume_ranks, f"trainer.experiment_name={name}")
+    assert "resumed from" in done.stderr + done.stdout
+    _, want = records(reference)
+    _, got = records(root / "runs" / name)
+    assert got == want
+    w_ref, w_got = final_weights(reference), final_weights(root / "runs" / name)
+    for n in w_ref:
+        torch.testing.assert_close(w_got[n], w_ref[n], rtol=0, atol=1e-4)
