@@ -1,0 +1,67 @@
+"""The rank arithmetic without processes: which groups a rank holds, how metrics combine, and
+the settings several ranks refuse (one line each)."""
+
+import pytest
+
+from grouprl.errors import UserError
+from grouprl.trainer.parallel import Ranks, reduce_metrics
+
+
+def test_each_rank_holds_its_part_of_every_mini_batch():
+    # 8 groups, mini-batches of 4, 2 ranks: rank 0 takes groups 0,1 and 4,5; rank 1 takes 2,3 and 6,7
+    assert Ranks(0, 2).share(8, block=4) == [0, 1, 4, 5]
+    assert Ranks(1, 2).share(8, block=4) == [2, 3, 6, 7]
+    assert Ranks(1, 2).share(8) == [4, 5, 6, 7]  # one mini-batch: contiguous halves
+    shares = [Ranks(r, 4).share(12, block=4) for r in range(4)]
+    assert sorted(g for s in shares for g in s) == list(range(12))  # every group once
+    assert Ranks().share(5) == [0, 1, 2, 3, 4]
+
+
+def test_batch_sizes_that_do_not_split_into_whole_groups_are_one_line():
+    with pytest.raises(UserError, match=r"data.train_batch_size=6 must be a multiple of the number of ranks \(4\)"):
+        Ranks(0, 4).share(6)
+    with pytest.raises(UserError, match=r"actor.mini_batch_size=2 must be a multiple of the number of ranks \(4\)"):
+        Ranks(0, 4).share(8, block=2)
+
+
+def test_held_out_prompts_split_as_evenly_as_may_be():
+    parts = [Ranks(r, 3).split(10) for r in range(3)]
+    assert [list(p) for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+
+
+class TwoRanks(Ranks):
+    """Rank 0 of two, the other rank's values given: reduce/gather as torch.distributed would."""
+
+    def __init__(self, other: dict):
+        super().__init__(0, 2)
+        object.__setattr__(self, "other", other)
+
+    def gather(self, obj):
+        return [obj, sorted(self.other)] if isinstance(obj, list) else [obj, self.other]
+
+    def reduce(self, values, op="sum"):
+        mine, theirs = list(values), [self.other[k] for k in sorted(self.other)]
+        combine = {"sum": lambda a, b: a + b, "max": max, "min": min}[op]
+        return [combine(a, b) for a, b in zip(mine, theirs)]
+
+
+def test_metrics_combine_by_kind():
+    mine = {"reward/mean": 0.2, "reward/errors": 1.0, "time/generate": 3.0, "response/length_max": 7.0,
+            "adv/min": -1.0, "perf/tokens_per_s": 100.0, "perf/peak_rss_gb": 2.0, "actor/grad_norm": 0.5}  # fmt: skip
+    other = {"reward/mean": 0.4, "reward/errors": 2.0, "time/generate": 5.0, "response/length_max": 9.0,
+             "adv/min": -2.0, "perf/tokens_per_s": 80.0, "perf/peak_rss_gb": 3.0, "actor/grad_norm": 0.5}  # fmt: skip
+    out = reduce_metrics(mine, TwoRanks(other))
+    assert out == pytest.approx(
+        {
+            "reward/mean": 0.3,  # equal shares: the mean of means
+            "reward/errors": 3.0,  # counts add up
+            "time/generate": 5.0,  # the slowest rank
+            "response/length_max": 9.0,
+            "adv/min": -2.0,
+            "perf/tokens_per_s": 180.0,  # throughput adds up
+            "perf/peak_rss_gb": 3.0,
+            "actor/grad_norm": 0.5,  # already global: the same on every rank
+            "dist/world_size": 2.0,
+        }
+    )
+    assert reduce_metrics({"reward/mean": 0.2}, Ranks())["dist/world_size"] == 1.0
