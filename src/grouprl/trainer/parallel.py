@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -160,6 +161,9 @@ def shard(
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
+    # the update's passes run on whole weights (`accumulating`), where the pre-backward gather
+    # FSDP warns a view output could skip has nothing to gather
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     policy = Policy(model)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
