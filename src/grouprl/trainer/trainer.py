@@ -309,6 +309,10 @@ class Trainer:
             )
         if c.model.lora.rank > 0:
             raise UserError(f"model.lora runs in one process only for now (this run has {world} ranks)")
+        if not c.model.freeze_vision_tower:  # the gradient sync pass is text only
+            raise UserError(
+                f"model.freeze_vision_tower=false runs in one process only for now (this run has {world} ranks)"
+            )
         if c.rollout.engine != "hf":
             raise UserError(
                 f"rollout.engine={c.rollout.engine} runs in one process only (this run has {world} ranks)"
