@@ -394,3 +394,21 @@ def test_trainer_state_round_trips_exactly(tmp_path):
     random.seed(3)
     np.random.seed(4)
     assert (random.random(), float(np.random.rand())) == expected
+
+
+def test_sharded_format_reads_back_in_one_process_and_names_a_mismatch(tmp_path):
+    """The DCP layout (sharded/, one safetensors file per rank with its offsets in the header)
+    read by one process; the two-rank write and reads are in test_parallel.py."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    checkpoint_module._save_shards(tmp_path / "sharded", model, None, {"state": {}})
+    (stored,) = (tmp_path / "sharded").iterdir()
+    assert stored.name.endswith(".safetensors")  # no pickled metadata: nothing in it can run
+    assert set(load_file(str(stored))) == {"model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias"}
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    checkpoint_module._load_shards(tmp_path / "sharded", other, None, {"state": {}})
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    wider = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(UserError, match=r"checkpoint does not match the model: 2 tensors not in .*, e.g. model/2.bias"):
+        checkpoint_module._load_shards(tmp_path / "sharded", wider, None, {"state": {}})

@@ -62,8 +62,8 @@ def records(run_dir):
     return {m["step"]: m for m in metrics if "actor/grad_norm" in m}, rollouts
 
 
-def final_weights(run_dir, step=3):
-    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+def final_weights(run_dir):
+    return load_file(str(run_dir / "final" / "model.safetensors"))  # whole, gathered from the ranks
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,13 @@ def test_two_ranks_equal_one(setup, mode):
         name = f"{mode}-{ranks}"
         train(config, ranks, f"actor.loss_agg_mode={mode}", f"trainer.experiment_name={name}")
         runs[ranks] = root / "runs" / name
+    assert_same_run(runs[1], runs[2], root / "model")
+
+
+def assert_same_run(one_dir, two_dir, model_dir):
+    """The 2-rank run in `two_dir` is the 1-rank run in `one_dir` (both from the model in
+    `model_dir`): rollouts, metrics per step, final weights, evaluation, and the export."""
+    runs = {1: one_dir, 2: two_dir}
     (one_metrics, one_rollouts), (two_metrics, two_rollouts) = records(runs[1]), records(runs[2])
     assert two_rollouts == one_rollouts  # same prompts, samples, rewards, advantages, in order
     assert len(one_rollouts) == 3 * 16 and len({r[3] for r in one_rollouts}) > 10
@@ -93,7 +100,7 @@ def test_two_ranks_equal_one(setup, mode):
                 assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), (step, key)
     w1, w2 = final_weights(runs[1]), final_weights(runs[2])
     assert w1.keys() == w2.keys()
-    start = load_file(str(root / "model" / "model.safetensors"))
+    start = load_file(str(model_dir / "model.safetensors"))
     moved = max(float((w1[n] - start[n]).abs().max()) for n in w1 if n in start)
     assert moved > 1e-3  # training changed the weights, so the comparison below means something
     for name in w1:
@@ -117,7 +124,13 @@ def test_saved_on_two_ranks_resumes_on_one_or_two(setup, resume_ranks):
         train(config, 1, "trainer.experiment_name=uninterrupted")
     name = f"resumed-on-{resume_ranks}"
     train(config, 2, f"trainer.experiment_name={name}", "trainer.total_steps=2")
-    assert (root / "runs" / name / "checkpoints" / "step_2" / "manifest.json").is_file()
+    saved = root / "runs" / name / "checkpoints" / "step_2"
+    assert (saved / "manifest.json").is_file()
+    # each rank wrote its own shards (DCP); nothing was gathered into one file
+    assert sorted(f.name for f in (saved / "sharded").iterdir()) == [
+        f"shard-0000{r}-model-00001-of-00001.safetensors" for r in (1, 2)
+    ]
+    assert not (saved / "model.safetensors").exists()
     done = train(config, resume_ranks, f"trainer.experiment_name={name}")
     assert "resumed from" in done.stderr + done.stdout
     _, want = records(reference)

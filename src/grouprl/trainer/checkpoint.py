@@ -11,6 +11,13 @@ states) in safetensors, the optimizer state is read with `torch.load(weights_onl
 `manifest.json`, written last, lists every file with its size and SHA-256; a checkpoint whose
 files do not match it is skipped (with a warning naming what is wrong) in favour of the newest
 one that does.
+
+With several ranks (FSDP2) nothing is gathered: the weights, the reference weights and the
+sharded optimizer state go through `torch.distributed.checkpoint` (DCP) into `sharded/`, one
+safetensors file per rank with its shard offsets in the file's header (DCP's Hugging Face
+storage, no pickled metadata). DCP reads the shards back into any other sharding, so a run
+saved on N ranks resumes on M (one process included); a one-process checkpoint holds whole
+tensors and resumes on any number of ranks too. Several nodes need a shared run folder.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import pickle
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,20 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = 2
+SHARDED = "sharded"  # DCP folder of a checkpoint written by several ranks
+_SHARD_MARK = "__sharded__"  # in optim.pt: this state tensor lives in sharded/ (value: its dtype)
+
+
+def is_sharded(model) -> bool:
+    """Whether the model's parameters are DTensor shards (FSDP2 over several ranks)."""
+    return any(hasattr(p, "device_mesh") for p in inner(model).parameters())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -65,15 +87,23 @@ def load_trainable_state(model, state: dict[str, torch.Tensor]) -> None:
             param.copy_(value)
 
 
-def optimizer_state(model, optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name and whole (sharded state gathered from the
-    ranks; every rank must call this), so a checkpoint resumes on any number of ranks."""
+def optimizer_state(model, optimizer, whole: bool = True) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, so a checkpoint resumes on any number of
+    ranks: whole (sharded state gathered from the ranks; every rank must call this), or with
+    `whole=False` sharded tensors left as they are (DTensors, for DCP)."""
     names = {id(p): n for n, p in inner(model).named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved = optimizer.state_dict()
-    whole = lambda v: full_tensor(v).detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+
+    def whole_or_shard(v):
+        if not isinstance(v, torch.Tensor) or (not whole and hasattr(v, "device_mesh")):
+            return v
+        return full_tensor(v).detach().cpu()
+
     return {
-        "state": {order[i]: {k: whole(v) for k, v in state.items()} for i, state in saved["state"].items()},
+        "state": {
+            order[i]: {k: whole_or_shard(v) for k, v in state.items()} for i, state in saved["state"].items()
+        },
         "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]],
     }
 
@@ -88,7 +118,8 @@ def load_optimizer_state(model, optimizer, saved: dict[str, Any]) -> None:
 
     def local(name, v):  # a sharded parameter's state takes its own shard
         p = params[name]
-        if isinstance(v, torch.Tensor) and hasattr(p, "device_mesh") and v.shape == p.shape:
+        whole = isinstance(v, torch.Tensor) and not hasattr(v, "device_mesh")
+        if whole and hasattr(p, "device_mesh") and v.shape == p.shape:
             from torch.distributed.tensor import distribute_tensor
 
             return distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
@@ -229,23 +260,46 @@ class CheckpointManager:
         ref_model=None,
         write=True,
     ) -> Path:
-        """Every rank calls this (sharded state is gathered); the one with `write` writes."""
+        """Every rank calls this; the one with `write` writes the folder. One process: whole
+        tensors in safetensors. Several ranks: each writes its shards (DCP, `sharded/`)."""
         final = self.root / f"step_{step}"
-        weights = trainable_state(inner(model))
-        ref = None
-        if ref_model is not None:
-            ref = {
-                n: full_tensor(p.detach()).contiguous().cpu() for n, p in inner(ref_model).named_parameters()
-            }
-        optim = {"optimizer": optimizer_state(model, optimizer), "scheduler": scheduler.state_dict()}
-        if not write:
-            return final
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=self.root))
+        sharded = is_sharded(model)
+        optim = {
+            "optimizer": optimizer_state(model, optimizer, whole=not sharded),
+            "scheduler": scheduler.state_dict(),
+        }
+        if sharded:
+            tmp = self.root / f".tmp-step_{step}"  # one name every rank knows
+            if write:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            _barrier()
+            try:
+                _save_shards(tmp / SHARDED, model, ref_model, optim["optimizer"])
+                optim["reference"] = ref_model is not None
+            except BaseException:
+                if write:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if not write:
+                return final
+        else:
+            weights = trainable_state(inner(model))
+            ref = None
+            if ref_model is not None:
+                ref = {
+                    n: full_tensor(p.detach()).contiguous().cpu()
+                    for n, p in inner(ref_model).named_parameters()
+                }
+            if not write:
+                return final
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=self.root))
         try:
-            save_file(weights, str(tmp / "model.safetensors"))
-            if ref is not None:
-                save_file(ref, str(tmp / "ref_model.safetensors"))
+            if not sharded:
+                save_file(weights, str(tmp / "model.safetensors"))
+                if ref is not None:
+                    save_file(ref, str(tmp / "ref_model.safetensors"))
             torch.save(optim, tmp / "optim.pt")
             tensors: dict[str, torch.Tensor] = {}
             (tmp / "trainer.json").write_text(json.dumps(encode_state(trainer_state, tensors)))
@@ -308,9 +362,6 @@ class CheckpointManager:
         why = problem(path)
         if why is not None:
             raise UserError(f"not a valid checkpoint: {path} ({why})")
-        load_trainable_state(inner(model), load_file(str(path / "model.safetensors")))
-        if ref_model is not None and (path / "ref_model.safetensors").is_file():
-            load_trainable_state(inner(ref_model), load_file(str(path / "ref_model.safetensors")))
         try:  # tensors and plain containers only: nothing in the file can run
             optim = torch.load(path / "optim.pt", weights_only=True)
         except pickle.UnpicklingError as e:
@@ -318,7 +369,62 @@ class CheckpointManager:
                 f"{path / 'optim.pt'} holds objects other than tensors and plain data; not loading it "
                 f"({str(e).splitlines()[0][:120]})"
             ) from None
+        if (path / SHARDED).is_dir():  # written by several ranks: each reads what it holds
+            ref = ref_model if optim.get("reference") else None
+            _load_shards(path / SHARDED, model, ref, optim["optimizer"])
+        else:
+            load_trainable_state(inner(model), load_file(str(path / "model.safetensors")))
+            if ref_model is not None and (path / "ref_model.safetensors").is_file():
+                load_trainable_state(inner(ref_model), load_file(str(path / "ref_model.safetensors")))
         load_optimizer_state(model, optimizer, optim["optimizer"])
         scheduler.load_state_dict(optim["scheduler"])
         tensors = load_file(str(path / "trainer.safetensors"))
         return decode_state(json.loads((path / "trainer.json").read_text()), tensors)
+
+
+# ----------------------------------------------------------------------------- sharded (DCP)
+def _save_shards(folder: Path, model, ref_model, optim: dict[str, Any]) -> None:
+    """Every rank writes its shards of the trainable weights, the reference weights and the
+    optimizer's sharded state; in `optim` those tensors become a mark naming their dtype."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    tensors = {f"model/{n}": p.detach() for n, p in inner(model).named_parameters() if p.requires_grad}
+    if ref_model is not None:
+        tensors.update({f"ref/{n}": p.detach() for n, p in inner(ref_model).named_parameters()})
+    for name, state in optim["state"].items():
+        for key, v in state.items():
+            if hasattr(v, "device_mesh"):
+                tensors[f"optim/{name}/{key}"] = v.detach()
+                state[key] = {_SHARD_MARK: str(v.dtype).removeprefix("torch.")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
+
+
+def _load_shards(folder: Path, model, ref_model, optim: dict[str, Any]) -> None:
+    """Read a DCP checkpoint into the model as it is sharded now (or whole, in one process):
+    weights in place, the optimizer's marked state into tensors shaped like their parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    params = dict(inner(model).named_parameters())
+    targets = {f"model/{n}": p.detach() for n, p in params.items() if p.requires_grad}
+    if ref_model is not None:
+        targets.update({f"ref/{n}": p.detach() for n, p in inner(ref_model).named_parameters()})
+    for name, state in optim["state"].items():
+        if name not in params:
+            raise UserError(f"checkpoint's optimizer state does not match the model: e.g. {name}")
+        for key, v in state.items():
+            if isinstance(v, dict) and _SHARD_MARK in v:
+                state[key] = torch.zeros_like(params[name].detach(), dtype=getattr(torch, v[_SHARD_MARK]))
+                targets[f"optim/{name}/{key}"] = state[key]
+    reader = HuggingFaceStorageReader(str(folder))
+    missing = sorted(set(targets) - set(reader.read_metadata().state_dict_metadata))
+    if missing:
+        raise UserError(
+            f"checkpoint does not match the model: {len(missing)} tensors not in {folder}, e.g. {missing[0]}"
+        )
+    with warnings.catch_warnings():  # one process reading shards is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=reader)

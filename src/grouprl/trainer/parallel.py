@@ -36,6 +36,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    owns_group: bool = False  # this process joined the group (torchrun), not its launcher (Ray)
 
     @property
     def main(self) -> bool:
@@ -52,9 +53,17 @@ class Ranks:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+
+    def close(self) -> None:
+        """Leave the process group once every rank is done (a group left to the interpreter's
+        exit can abort a process whose communication threads are still up)."""
+        if self.owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def share(self, num: int, what: str = "data.train_batch_size", block: int = 0) -> list[int]:
         """This rank's items (groups) of `num`: of every `block` of them (a mini-batch), its
@@ -262,10 +271,12 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def whole_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with sharded tensors gathered whole on CPU (every rank must call
     this); tied weights stay one tensor."""
-    whole: dict[int, torch.Tensor] = {}
+    whole: dict = {}
     out = {}
     for name, value in model.state_dict().items():
-        if id(value) not in whole:
-            whole[id(value)] = full_tensor(value).detach().cpu()
-        out[name] = whole[id(value)]
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's view is new
+        key = (local.data_ptr(), local.shape, local.dtype) if local.numel() else id(value)
+        if key not in whole:
+            whole[key] = full_tensor(value).detach().cpu()
+        out[name] = whole[key]
     return out

@@ -881,6 +881,7 @@ class Trainer:
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(summary["line"])
+        self.ranks.close()
         return summary
 
     def summary(self) -> dict:
