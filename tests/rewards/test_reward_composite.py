@@ -522,3 +522,39 @@ def test_judge_and_gate_mistakes_fail_when_the_config_loads(tmp_path, edit, frag
     path.write_text(yaml.safe_dump(tree))
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         load_config(path)
+
+
+# ------------------------------------------------------------------ several ranks
+@pytest.mark.parametrize("cap,world", [(5, 2), (50, 8), (4, 4), (7, 3)])
+def test_ranks_split_a_judge_cap_that_stays_global(cap, world):
+    from grouprl.rewards.composite import share_of_cap
+
+    shares = [share_of_cap(cap, r, world, "judge") for r in range(world)]
+    assert sum(shares) == cap and max(shares) - min(shares) <= 1
+
+
+def test_a_cap_below_the_number_of_ranks_gives_each_one_request_and_says_so(caplog):
+    from grouprl.rewards.composite import share_of_cap
+
+    with caplog.at_level(logging.WARNING):
+        assert [share_of_cap(2, r, 4, "judge 'vlm'") for r in range(4)] == [1, 1, 1, 1]
+    assert "judge 'vlm': max_concurrent_requests=2 is below the number of ranks (4)" in caplog.text
+
+
+def test_two_ranks_never_exceed_the_judge_cap_together(tmp_path):
+    """Two ranks' rewards (one process each in a real run) judging at once against one server:
+    at most `cap` requests in flight, and each rank logs to its own file."""
+    with FakeJudgeServer(latency=0.05) as server:
+        config = gated_reward_config(judge_cfg(server, max_concurrent_requests=3))
+        ranks = [CompositeReward.from_config(config, run_dir=tmp_path, rank=r, world=2) for r in (0, 1)]
+        assert [c.judges["vlm"].cfg.max_concurrent_requests for c in ranks] == [2, 1]
+        batches = [make_trajectories([graded(g % 5 + 1, f" r{r} {g}") for g in range(12)]) for r in (0, 1)]
+
+        async def both():
+            await asyncio.gather(*(c.ascore(b) for c, b in zip(ranks, batches)))
+
+        asyncio.run(both())
+        for c in ranks:
+            c.close()
+        assert server.requests == 24 and server.max_in_flight == 3
+    assert (tmp_path / "judge.jsonl").is_file() and (tmp_path / "judge.rank1.jsonl").is_file()

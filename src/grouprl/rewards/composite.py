@@ -20,6 +20,7 @@ and `reward/dropped` counts such trajectories (means and std skip them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import math
@@ -151,6 +152,23 @@ def groups_to_drop(trajectories: list[Trajectory]) -> set[str]:
     return {t.uid for t in trajectories if math.isnan(t.reward)}
 
 
+def share_of_cap(cap: int, rank: int, world: int, what: str) -> int:
+    """Rank `rank`'s part of a concurrency cap shared by `world` processes: the parts sum to
+    `cap` (at least 1 each; a cap below the number of ranks is exceeded, with a warning)."""
+    if world <= 1:
+        return cap
+    if cap < world and rank == 0:
+        logger.warning(
+            "%s: max_concurrent_requests=%d is below the number of ranks (%d); each rank sends one "
+            "request at a time (%d in all)",
+            what,
+            cap,
+            world,
+            world,
+        )
+    return max(1, cap // world + (1 if rank < cap % world else 0))
+
+
 class CompositeReward:
     """Scores trajectories with every component and writes `rewards` and `reward` on them.
 
@@ -186,8 +204,12 @@ class CompositeReward:
         self._reported: set[str] = set()  # components whose first failure was logged
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, run_dir: str | Path | None = None) -> CompositeReward:
-        """Build from config; judges log to `<run_dir>/judge.jsonl` unless their log_path is set."""
+    def from_config(
+        cls, cfg: RewardConfig, run_dir: str | Path | None = None, rank: int = 0, world: int = 1
+    ) -> CompositeReward:
+        """Build from config; judges log to `<run_dir>/judge.jsonl` unless their log_path is set.
+        One of `world` ranks (processes) takes its share of each judge's concurrency cap (the cap
+        is global) and logs to `judge.rank<r>.jsonl` beside rank 0's."""
         from grouprl.rewards.judges.client import JudgeClient
 
         judge_configs = {j.name: j for j in cfg.judges}
@@ -208,7 +230,10 @@ class CompositeReward:
                         )
                     judge_cfg = judge_configs[name]
                     if name not in judges:
-                        log_path = Path(run_dir) / "judge.jsonl" if run_dir is not None else None
+                        log_name = f"judge.rank{rank}.jsonl" if rank else "judge.jsonl"
+                        log_path = Path(run_dir) / log_name if run_dir is not None else None
+                        share = share_of_cap(judge_cfg.max_concurrent_requests, rank, world, f"judge {name!r}")
+                        judge_cfg = dataclasses.replace(judge_cfg, max_concurrent_requests=share)
                         judges[name] = JudgeClient(judge_cfg, log_path=log_path)
                     fn = JudgeComponent(judges[name], judge_cfg.image_base_path)
                     extra = {"on_failure": judge_cfg.on_failure, "fallback": judge_cfg.fallback}

@@ -122,13 +122,13 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
         # Everything the user can get wrong in data or rewards fails here, before the model loads.
         self.train_samples, self.val_samples = load_data(cfg)
-        self.reward = CompositeReward.from_config(
-            cfg.reward, run_dir=self.run_dir
-        )  # judges log to judge.jsonl
-
         self.device = resolve_device(cfg.trainer.device)
         # torchrun / Ray ranks: each holds whole groups of every step (parallel.py)
         self.ranks = Ranks.from_env(self.device.type)
+        # judges log to judge.jsonl; with several ranks each takes its share of a judge's cap
+        self.reward = CompositeReward.from_config(
+            cfg.reward, run_dir=self.run_dir, rank=self.ranks.rank, world=self.ranks.world
+        )
         if self.ranks.distributed:
             self._check_parallel()
             if self.device.type == "cuda":
