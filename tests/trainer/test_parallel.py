@@ -84,6 +84,24 @@ def test_two_ranks_equal_one(setup, mode):
     assert_same_run(runs[1], runs[2], root / "model")
 
 
+def test_lora_with_gradient_checkpointing_on_two_ranks_equals_one(setup):
+    """LoRA adapters (frozen base weights sharded beside trainable ones, the reference = the
+    adapters disabled) and recomputed activations under FSDP2; the export merges the gathered
+    adapters into a whole folder."""
+    root, config = setup
+    runs = {}
+    for ranks in (1, 2):
+        name = f"lora-{ranks}"
+        train(
+            config, ranks, "model.lora.rank=4", "model.gradient_checkpointing=true", "actor.optim.lr=1e-2",
+            f"trainer.experiment_name={name}",
+        )  # fmt: skip
+        runs[ranks] = root / "runs" / name
+    assert_same_run(runs[1], runs[2], root / "model")
+    saved = load_file(str(runs[2] / "checkpoints" / "step_3" / "sharded" / "shard-00001-model-00001-of-00001.safetensors"))
+    assert saved and all("lora_" in k for k in saved if k.startswith("model/"))  # adapters only
+
+
 def assert_same_run(one_dir, two_dir, model_dir):
     """The 2-rank run in `two_dir` is the 1-rank run in `one_dir` (both from the model in
     `model_dir`): rollouts, metrics per step, final weights, evaluation, and the export."""

@@ -65,3 +65,24 @@ def test_metrics_combine_by_kind():
         }
     )
     assert reduce_metrics({"reward/mean": 0.2}, Ranks())["dist/world_size"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.quantization=4bit", r"model.quantization=4bit runs in one process only \(this run has 2 ranks\)"),
+        ("rollout.engine=vllm", r"rollout.engine=vllm runs in one process only \(this run has 2 ranks\)"),
+        ("model.freeze_vision_tower=false", r"model.freeze_vision_tower=false runs in one process only"),
+        ("data.train_batch_size=3", r"data.train_batch_size=3 must be a multiple of the number of ranks \(2\)"),
+    ],
+)
+def test_settings_several_ranks_refuse_are_one_line(override, message):
+    from types import SimpleNamespace
+
+    from grouprl.config import load_config
+    from grouprl.trainer.trainer import Trainer
+
+    cfg = load_config(None, ["model.lora.rank=8", "model.gradient_checkpointing=true"])
+    Trainer._check_parallel(SimpleNamespace(cfg=cfg, ranks=Ranks(0, 2)))  # LoRA and recompute pass
+    with pytest.raises(UserError, match=message):
+        Trainer._check_parallel(SimpleNamespace(cfg=load_config(None, ["model.lora.rank=8", override]), ranks=Ranks(1, 2)))

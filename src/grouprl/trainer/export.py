@@ -40,6 +40,8 @@ def export_model(
     a merged copy that loads with plain from_pretrained. `processor` (a VLM's; anything with
     save_pretrained) is saved beside the model, so the folder is a working VLM. `state_dict`: the
     weights to write instead of the model's own (a sharded model's, gathered whole)."""
+    if state_dict is not None:
+        model = plain_copy(model, state_dict)
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
@@ -49,7 +51,7 @@ def export_model(
             import copy
 
             to_save = copy.deepcopy(model).merge_and_unload()
-        to_save.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+        to_save.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if processor is not None:
             processor.save_pretrained(tmp)
@@ -62,3 +64,24 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def plain_copy(model, state_dict: dict):
+    """A model of `model`'s class and config (LoRA adapters included) holding `state_dict`'s
+    tensors, without copying them: what a sharded model exports and merges (FSDP modules
+    cannot be deep-copied)."""
+    import torch
+
+    lora = getattr(model, "peft_config", None)
+    base = model.get_base_model() if lora else model
+    with torch.device("meta"):  # no memory until the weights are assigned
+        fresh = type(base)(base.config)
+    if lora:
+        import copy
+
+        from peft import get_peft_model
+
+        fresh = get_peft_model(fresh, copy.deepcopy(lora[model.active_adapter]))
+    fresh.load_state_dict(state_dict, assign=True)
+    (fresh.get_base_model() if lora else fresh).tie_weights()  # assigned as two parameters
+    return fresh.eval()

@@ -307,8 +307,10 @@ class Trainer:
             raise UserError(
                 f"curriculum.dynamic_filter runs in one process only (this run has {world} ranks)"
             )
-        if c.model.lora.rank > 0:
-            raise UserError(f"model.lora runs in one process only for now (this run has {world} ranks)")
+        if c.model.quantization != "none":  # FSDP shards plain tensors, not bitsandbytes' packed ones
+            raise UserError(
+                f"model.quantization={c.model.quantization} runs in one process only (this run has {world} ranks)"
+            )
         if not c.model.freeze_vision_tower:  # the gradient sync pass is text only
             raise UserError(
                 f"model.freeze_vision_tower=false runs in one process only for now (this run has {world} ranks)"
