@@ -482,6 +482,10 @@ class ActorConfig:
     """Several ranks (FSDP2): dtype of the gradient reduction; float32 keeps it exact under bf16 compute."""
     fsdp_offload: bool = False
     """Several ranks (FSDP2): keep sharded parameters, gradients and optimizer state in CPU memory."""
+    fsdp_size: int = -1
+    """Several ranks (FSDP2): ranks one copy of the model is sharded over; -1 = all of them. Fewer
+    (e.g. the GPUs of one node) shard within groups of that many ranks and replicate across the
+    groups (hybrid sharding); 1 replicates the whole model on every rank (data parallel only)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
 
@@ -526,6 +530,12 @@ class TrainerConfig:
     """Write every trajectory to rollouts.jsonl."""
     skip_nonfinite_loss: bool = True
     """Skip (and count) an optimizer step whose loss or gradient is NaN/inf."""
+    launcher: Literal["local", "ray"] = "local"
+    """local: this process (or the ranks torchrun started); ray: ray_workers ranks on the Ray cluster at RAY_ADDRESS (else a local one), a GPU each when device is cuda, or auto and the cluster has GPUs (`pip install 'grouprl[ray]'`)."""
+    ray_workers: int = 0
+    """launcher=ray: training processes (ranks); 0 = one per GPU of the cluster."""
+    ray_cpus_per_worker: int = 1
+    """launcher=ray: CPUs Ray reserves for each worker, which is also its number of torch threads."""
 
 
 @dataclass
@@ -699,6 +709,8 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.kl_loss_coef": "actor.kl_loss_coef",
     "actor_rollout_ref.actor.kl_loss_type": "actor.kl_loss_type",
     "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coef",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size": "actor.fsdp_size",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "actor.fsdp_offload",
     "actor_rollout_ref.rollout.n_agent": "rollout.n_agent",
     "actor_rollout_ref.rollout.n": "rollout.n_agent",
     "actor_rollout_ref.rollout.temperature": "rollout.temperature",
@@ -987,6 +999,10 @@ def validate(cfg: Config) -> Config:
         "config key 'curriculum.dynamic_filter' needs data.sampler=curriculum",
     )
     need(cfg.actor.logits_chunk_size >= 1, "config key 'actor.logits_chunk_size' must be >= 1")
+    need(
+        cfg.actor.fsdp_size == -1 or cfg.actor.fsdp_size >= 1,
+        "config key 'actor.fsdp_size' must be -1 (all ranks) or >= 1",
+    )
     # counts and periods where 0 means "off" / "all": a negative value would silently misbehave
     # (a negative mini_batch_size divides any batch and then skips every update)
     for key in (
@@ -1012,6 +1028,13 @@ def validate(cfg: Config) -> Config:
         "config key 'trainer.total_epochs' must be >= 1 when trainer.total_steps is 0",
     )
     need(cfg.trainer.keep_last >= 1, "config key 'trainer.keep_last' must be >= 1")
+    need(cfg.trainer.ray_workers >= 0, "config key 'trainer.ray_workers' must be >= 0 (0 = one per GPU of the cluster)")
+    need(cfg.trainer.ray_cpus_per_worker >= 1, "config key 'trainer.ray_cpus_per_worker' must be >= 1")
+    need(
+        cfg.trainer.launcher != "ray" or cfg.trainer.device in ("auto", "cpu", "cuda"),
+        "config key 'trainer.device' must be auto, cpu or cuda with trainer.launcher=ray (Ray gives each "
+        f"worker its GPU), got {cfg.trainer.device!r}",
+    )
     need(
         cfg.trainer.resume_mode != "path" or bool(cfg.trainer.resume_from_path),
         "config key 'trainer.resume_from_path' must be set when trainer.resume_mode is 'path'",
@@ -1059,6 +1082,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         tree = loaded
     for item in overrides:
         apply_override(tree, item)
+    return from_dict(tree)
+
+
+def from_dict(tree: dict[str, Any]) -> Config:
+    """The tree from plain data (a parsed YAML file, `to_dict`'s output shipped to another
+    process), checked as a file is."""
     _check_structure(tree, Config)
-    cfg = _build(Config, tree)
-    return validate(cfg)
+    return validate(_build(Config, tree))

@@ -73,15 +73,24 @@ def setup(tmp_path_factory):
     return root, write_run_config(root, model, reward=LOWER_FRACTION)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_two_ranks_equal_one(setup, mode):
+@pytest.mark.parametrize(
+    "mode,sharding",
+    [("token-mean", "all"), ("seq-mean-token-mean", "all"), ("token-mean", "replicated")],
+)
+def test_two_ranks_equal_one(setup, mode, sharding):
+    """`replicated` (actor.fsdp_size=1): each rank holds the whole model, gradients all-reduced
+    (the hybrid mesh's replicate dimension); `all`: one copy sharded over both ranks."""
     root, config = setup
-    runs = {}
-    for ranks in (1, 2):
-        name = f"{mode}-{ranks}"
-        train(config, ranks, f"actor.loss_agg_mode={mode}", f"trainer.experiment_name={name}")
-        runs[ranks] = root / "runs" / name
-    assert_same_run(runs[1], runs[2], root / "model")
+    one = root / "runs" / f"{mode}-1"
+    if not one.is_dir():
+        train(config, 1, f"actor.loss_agg_mode={mode}", f"trainer.experiment_name={one.name}")
+    two = root / "runs" / f"{mode}-2-{sharding}"
+    size = "actor.fsdp_size=1" if sharding == "replicated" else "actor.fsdp_size=-1"
+    train(config, 2, f"actor.loss_agg_mode={mode}", size, f"trainer.experiment_name={two.name}")
+    assert_same_run(one, two, root / "model")
+    state = [records(run)[0][3]["perf/state_gb"] for run in (one, two)]
+    # this rank's weights and optimizer state: half of them when sharded over two ranks
+    assert state[1] == pytest.approx(state[0] if sharding == "replicated" else state[0] / 2, rel=0.02)
 
 
 def test_lora_with_gradient_checkpointing_on_two_ranks_equals_one(setup):

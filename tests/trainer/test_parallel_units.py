@@ -86,3 +86,11 @@ def test_settings_several_ranks_refuse_are_one_line(override, message):
     Trainer._check_parallel(SimpleNamespace(cfg=cfg, ranks=Ranks(0, 2)))  # LoRA and recompute pass
     with pytest.raises(UserError, match=message):
         Trainer._check_parallel(SimpleNamespace(cfg=load_config(None, ["model.lora.rank=8", override]), ranks=Ranks(1, 2)))
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_is_one_line():
+    from grouprl.trainer.parallel import device_mesh
+
+    assert device_mesh(Ranks(0, 4), "cpu", -1) is None and device_mesh(Ranks(0, 4), "cpu", 4) is None
+    with pytest.raises(UserError, match=r"actor.fsdp_size=3 must divide the number of ranks \(4\), or be -1"):
+        device_mesh(Ranks(1, 4), "cpu", 3)

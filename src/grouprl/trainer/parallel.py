@@ -103,7 +103,7 @@ class Ranks:
 
 # metrics whose global value is not the mean of the ranks' values
 _SUMMED = ("reward/errors", "batch/dropped_groups")
-_MAXED = ("time/", "perf/peak_")
+_MAXED = ("time/", "perf/peak_", "perf/state_")
 
 
 def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
@@ -155,17 +155,34 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def device_mesh(ranks: Ranks, device_type: str, shard_size: int = -1):
+    """The ranks FSDP shards over: all of them (None: FSDP's default mesh), or groups of
+    `shard_size` ranks each holding one sharded copy, replicated across the groups (HSDP)."""
+    if shard_size in (-1, ranks.world):
+        return None
+    if shard_size < 1 or ranks.world % shard_size:
+        raise UserError(
+            f"actor.fsdp_size={shard_size} must divide the number of ranks ({ranks.world}), or be -1"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (ranks.world // shard_size, shard_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
 def shard(
     model: torch.nn.Module,
     *,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     offload: bool = False,
+    mesh=None,
 ) -> Policy:
-    """FSDP2 over `model`: each decoder layer, then the root (everything else)."""
+    """FSDP2 over `model`: each decoder layer, then the root (everything else); over `mesh`
+    (`device_mesh`) when given, else over every rank."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    options = {}
+    options: dict = {"mesh": mesh} if mesh is not None else {}
     if param_dtype is not None or reduce_dtype is not None:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if offload:
@@ -280,3 +297,17 @@ def whole_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             whole[key] = full_tensor(value).detach().cpu()
         out[name] = whole[key]
     return out
+
+
+def state_gb(model: torch.nn.Module, optimizer) -> float:
+    """GB this rank holds of the model's weights and the optimizer's state (its shards, when
+    sharded), counted once each."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.numel() and local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
+            total += local.numel() * local.element_size()
+    return total / 1024**3

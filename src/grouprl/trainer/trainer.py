@@ -52,7 +52,16 @@ from grouprl.trainer.models import (
     resolve_rollout_dtype,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
-from grouprl.trainer.parallel import Ranks, gathered, inner, reduce_metrics, shard, whole_state_dict
+from grouprl.trainer.parallel import (
+    Ranks,
+    device_mesh,
+    gathered,
+    inner,
+    reduce_metrics,
+    shard,
+    state_gb,
+    whole_state_dict,
+)
 from grouprl.trainer.update import PolicyUpdater, build_step_tensors
 from grouprl.vision.families import is_vision_config
 from grouprl.vision.processor import VisionProcessor
@@ -181,6 +190,7 @@ class Trainer:
         self.total_steps = cfg.trainer.total_steps or self.sampler.steps_for_epochs(cfg.trainer.total_epochs)
 
         self.ref_model = self._make_reference()
+        self._mesh = None  # several ranks: what FSDP shards over (actor.fsdp_size)
         # what the update runs: the model itself, or its FSDP2 root over several ranks
         self.policy = self._shard(self.model)
         if isinstance(self.ref_model, torch.nn.Module):
@@ -328,7 +338,15 @@ class Trainer:
         reduce = (
             torch.float32 if compute is not None and self.cfg.actor.fsdp_reduce_dtype == "float32" else None
         )
-        return shard(model, param_dtype=compute, reduce_dtype=reduce, offload=self.cfg.actor.fsdp_offload)
+        if self._mesh is None:
+            self._mesh = device_mesh(self.ranks, self.device.type, self.cfg.actor.fsdp_size)
+        return shard(
+            model,
+            param_dtype=compute,
+            reduce_dtype=reduce,
+            offload=self.cfg.actor.fsdp_offload,
+            mesh=self._mesh,
+        )
 
     def _make_reference(self):
         """A frozen reference only when a KL coefficient needs it. With LoRA the reference is
@@ -693,6 +711,7 @@ class Trainer:
                 "perf/gen_tokens_per_s": gen_tokens / max(metrics["time/generate"], 1e-9),
                 "perf/tokens_per_s": all_tokens / max(t_synced - t0, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
+                "perf/state_gb": state_gb(self.model, self.optimizer),
                 "train/epoch": float(self.sampler.epoch),
                 **self.prompt_stats,
             }
