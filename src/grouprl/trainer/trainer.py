@@ -313,10 +313,6 @@ class Trainer:
         self.ranks.share(c.data.train_batch_size)
         if c.actor.mini_batch_size:
             self.ranks.share(c.actor.mini_batch_size, "actor.mini_batch_size")
-        if c.data.sampler == "curriculum" and c.curriculum.dynamic_filter:
-            raise UserError(
-                f"curriculum.dynamic_filter runs in one process only (this run has {world} ranks)"
-            )
         if c.model.quantization != "none":  # FSDP shards plain tensors, not bitsandbytes' packed ones
             raise UserError(
                 f"model.quantization={c.model.quantization} runs in one process only (this run has {world} ranks)"
@@ -567,35 +563,15 @@ class Trainer:
         self._groups = mine
         trajectories, metrics = generate_and_score(samples, prompts, mine)
         curriculum = isinstance(self.sampler, OnlineCurriculum)
-        dynamic_filter = curriculum and c.curriculum.dynamic_filter
-        if dynamic_filter:
-            errors = metrics.get("reward/errors", 0.0)
-            while (
-                k := prompts_to_draw(group_rewards(), c.data.train_batch_size, c.curriculum.max_oversample)
-            ) > 0:
-                more_samples, more_prompts = self._next_prompts(extra=k)
-                more, more_metrics = generate_and_score(more_samples, more_prompts)
-                errors += more_metrics.get("reward/errors", 0.0)
-                samples, prompts, trajectories = (
-                    samples + more_samples,
-                    prompts + more_prompts,
-                    trajectories + more,
-                )
-        if curriculum:
-            rewards = group_rewards()
+        if curriculum and c.curriculum.dynamic_filter:
+            samples, prompts, trajectories, metrics = self._filter_groups(
+                samples, prompts, trajectories, metrics, generate_and_score
+            )
+        elif curriculum:
             # every generated group teaches the tracker, on every rank in the same order
-            # (with dynamic_filter, one process: the refills follow the first draw)
-            groups = self._groups if self.ranks.distributed else range(len(samples))
-            mine = [(g, s.uid, r) for g, s, r in zip(groups, samples, rewards)]
+            mine = [(g, s.uid, r) for g, s, r in zip(self._groups, samples, group_rewards())]
             for _, uid, group in sorted(x for part in self.ranks.gather(mine) for x in part):
                 self.sampler.update(uid, group)
-        if dynamic_filter:
-            selection = select_groups(rewards, c.data.train_batch_size)
-            self.sampler.note_selection(selection)
-            samples, prompts, trajectories = keep_groups(selection.keep)
-            metrics = {**batch_summary(trajectories), "reward/errors": errors}
-            metrics["batch/generated_groups"] = float(len(rewards))
-            metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
         if curriculum:
             metrics.update(self.sampler.metrics())
         dropped = groups_to_drop(trajectories)  # a judge failed under on_failure=drop_group
@@ -609,6 +585,43 @@ class Trainer:
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
         if self.streaming is not None:  # reward work that overlapped generation (not waited for)
             metrics["time/reward_hidden"] = clock["reward_hidden"]
+        return samples, prompts, trajectories, metrics
+
+    def _filter_groups(self, samples, prompts, trajectories, metrics, generate_and_score):
+        """curriculum.dynamic_filter: over-sample prompts (at most max_oversample x B) until B
+        groups whose rewards are not all equal, over every rank's groups. Refills are split over
+        the ranks like the first draw; the kept batch is then shared out again (each rank its
+        part of every mini-batch), so the run equals one process's."""
+        c, n, B = self.cfg, self.cfg.rollout.n_agent, self.cfg.data.train_batch_size
+        errors = metrics.get("reward/errors", 0.0)  # this rank's, summed over ranks in the metrics
+
+        def whole(places, samples, prompts, trajectories):  # every rank's groups, in batch order
+            mine = [(g, samples[i], prompts[i], trajectories[i * n : (i + 1) * n]) for i, g in enumerate(places)]
+            return sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
+
+        def rewards():
+            return [[t.reward for t in group] for *_, group in batch]
+
+        batch = whole(self._groups, samples, prompts, trajectories)
+        while (k := prompts_to_draw(rewards(), B, c.curriculum.max_oversample)) > 0:
+            more_samples, more_prompts = self._next_prompts(extra=k)  # the same on every rank
+            part = list(self.ranks.split(k))
+            picked = [more_samples[i] for i in part], [more_prompts[i] for i in part]
+            more, more_metrics = generate_and_score(*picked, part)
+            errors += more_metrics.get("reward/errors", 0.0)
+            batch += whole([len(batch) + i for i in part], *picked, more)
+        for _, sample, _, group in batch:  # every generated group teaches the tracker
+            self.sampler.update(sample.uid, [t.reward for t in group])
+        selection = select_groups(rewards(), B)
+        self.sampler.note_selection(selection)
+        kept = [batch[g] for g in selection.keep]
+        self._groups = self.ranks.share(len(kept), block=c.actor.mini_batch_size or len(kept))
+        samples = [kept[g][1] for g in self._groups]
+        prompts = [kept[g][2] for g in self._groups]
+        trajectories = [t for g in self._groups for t in kept[g][3]]
+        metrics = {**batch_summary(trajectories), "reward/errors": errors}
+        metrics["batch/generated_groups"] = float(len(batch))
+        metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
         return samples, prompts, trajectories, metrics
 
     # ------------------------------------------------------------------ one step
