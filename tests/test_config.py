@@ -13,6 +13,7 @@ from grouprl.config import (
     RewardComponentConfig,
     explain,
     field_docs,
+    from_dict,
     load_config,
     to_dict,
     validate,
@@ -76,6 +77,14 @@ def test_to_dict_round_trips_through_load(tmp_path):
     cfg = load_config(DEFAULT_RECIPE, ["model.lora.rank=4", "actor.dual_clip=null"])
     again = load_config(write(tmp_path, yaml.safe_dump(to_dict(cfg))))
     assert again == cfg
+    assert from_dict(to_dict(cfg)) == cfg  # as a Ray worker gets it
+
+
+def test_the_ray_launcher_settings():
+    cfg = load_config(None, ["trainer.launcher=ray", "trainer.ray_workers=8", "trainer.ray_cpus_per_worker=4"])
+    assert (cfg.trainer.launcher, cfg.trainer.ray_workers, cfg.trainer.ray_cpus_per_worker) == ("ray", 8, 4)
+    assert load_config().trainer.launcher == "local"
+    assert load_config(None, ["trainer.device=cuda:1"]).trainer.device == "cuda:1"  # one process picks its GPU
 
 
 # ------------------------------------------------------------------------- YAML + overrides
@@ -180,6 +189,7 @@ def test_unknown_key_inside_a_list_item():
         ("data.sampler=shuffle", "config key 'data.sampler' must be one of 'random', 'sequential', 'curriculum', got 'shuffle'"),
         ("model.dtype=fp8", "config key 'model.dtype' must be one of 'auto', 'float32', 'bfloat16', 'float16'"),
         ("trainer.resume_mode=yes", "config key 'trainer.resume_mode' must be one of 'auto', 'disable', 'path'"),
+        ("trainer.launcher=slurm", "config key 'trainer.launcher' must be one of 'local', 'ray', got 'slurm'"),
         ("nodots", "override 'nodots' must look like section.key=value"),
     ],
 )
@@ -235,6 +245,13 @@ def test_missing_config_file(tmp_path):
         (["rollout.engine=vllm", "rollout.sleep_level=3"], "'rollout.sleep_level' must be 0, 1 or 2"),
         (["rollout.gpu_memory_utilization=1.5"], "'rollout.gpu_memory_utilization' must be in (0, 1]"),
         (["rollout.engine=sglang"], "'rollout.engine' must be one of 'hf', 'vllm'"),
+        (["trainer.ray_workers=-1"], "'trainer.ray_workers' must be >= 0 (0 = one per GPU of the cluster)"),
+        (["trainer.ray_cpus_per_worker=0"], "'trainer.ray_cpus_per_worker' must be >= 1"),
+        (
+            ["trainer.launcher=ray", "trainer.device=cuda:1"],
+            "config key 'trainer.device' must be auto, cpu or cuda with trainer.launcher=ray (Ray gives each "
+            "worker its GPU), got 'cuda:1'",
+        ),
     ],
 )
 def test_validate_rejects_impossible_combinations(overrides, expected):

@@ -132,6 +132,12 @@ def describe_plan(cfg) -> list[str]:
             f"data: built-in task '{cfg.data.task}' ({cfg.data.task_train_size} train / {cfg.data.task_val_size} held-out)"
         )
     t = cfg.trainer
+    if t.launcher == "ray":
+        workers = f"{t.ray_workers} ranks" if t.ray_workers else "a rank per GPU of the cluster"
+        lines.append(
+            f"launch: {workers} as Ray Train workers ({t.ray_cpus_per_worker} CPU each; a GPU each "
+            f"{'always' if t.device == 'cuda' else 'never' if t.device == 'cpu' else 'when the cluster has them'})"
+        )
     steps = f"{t.total_steps} steps" if t.total_steps else f"{t.total_epochs} epoch(s)"
     lines.append(
         f"run: {steps}, save every {t.save_freq or 'end'}, resume {t.resume_mode}, "
@@ -151,6 +157,11 @@ def cmd_train(args) -> int:
         print("config is valid. plan:")
         for line in describe_plan(cfg):
             print("  " + line)
+        return 0
+    if cfg.trainer.launcher == "ray":  # the ranks run on Ray workers, each the local loop below
+        from grouprl.trainer.launch import run_on_ray
+
+        run_on_ray(cfg, setup=_setup_logging)
         return 0
     from grouprl.trainer.trainer import Trainer
 
