@@ -309,6 +309,58 @@ class JudgeConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    name: str = "model"
+    """Name components use: function `model:<name>` (its score), or another model's images_from."""
+    kind: Literal["clip", "sequence_classifier", "text_to_image", "scene_renderer", "scene_scorer"] = "clip"
+    """clip: image-text similarity (CLIP/SigLIP via transformers); sequence_classifier: a reward
+    model scoring prompt + response; text_to_image: a diffusers pipeline drawing the response
+    (used through a scorer's images_from); scene_renderer / scene_scorer: the built-in Pillow
+    stand-ins for the two (the offline demo)."""
+    path: str = ""
+    """Local folder or hub id, from_pretrained style (the scene kinds need none)."""
+    device: str = "cpu"
+    """Where the model runs, e.g. cuda:1 (its own GPU), cpu."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights' dtype."""
+    batch_size: int = 8
+    """Most items per model call; concurrent requests are batched up to this."""
+    images_from: str = ""
+    """clip / scene_scorer: the text_to_image model whose image of the response is scored
+    (empty: the trajectory's images must come from elsewhere)."""
+    text: Literal["prompt", "response"] = "prompt"
+    """clip / scene_scorer: what the image is compared with: the original request or the response."""
+    label: int = 0
+    """sequence_classifier: the logit used as the score (0 for single-output reward models)."""
+    max_length: int = 1024
+    """sequence_classifier: tokens of prompt + response kept (the end is cut)."""
+    steps: int = 28
+    """text_to_image: denoising steps."""
+    guidance_scale: float = 7.0
+    """text_to_image: classifier-free guidance."""
+    height: int = 512
+    """text_to_image: image height (the scene renderer draws squares of this size)."""
+    width: int = 512
+    """text_to_image: image width."""
+    seed: int = 0
+    """text_to_image: base seed; a sample's images use seed + a hash of its group id, so a
+    group's images differ only by prompt and an evaluation repeats exactly."""
+    cache_dir: str = ""
+    """text_to_image: image cache keyed by (prompt, seed, settings); "" = <run>/image_cache."""
+    scale: float = 1.0
+    """clip: the similarity is multiplied by this (100 gives CLIP's usual logit scale)."""
+
+
+MODEL_PREFIX = "model:"
+
+
+def model_name(function: str) -> str | None:
+    """ "model:clip" -> "clip"; None for any other reward spec."""
+    function = function.strip()
+    return function[len(MODEL_PREFIX) :].strip() if function.startswith(MODEL_PREFIX) else None
+
+
+@dataclass
 class RewardConfig:
     components: list[RewardComponentConfig] = field(
         default_factory=lambda: [
@@ -325,12 +377,50 @@ class RewardConfig:
     """Score each group as soon as its n samples finish, while the other groups still generate."""
     judges: list[JudgeConfig] = field(default_factory=list)
     """LLM/VLM judges; a component uses one with function `judge:<name>`."""
+    models: list[RewardModelConfig] = field(default_factory=list)
+    """Reward models (CLIP, reward classifiers, text-to-image) run in a worker process on their
+    own devices; a component uses one with function `model:<name>`."""
 
     def __post_init__(self) -> None:
-        """Judge names, `judge:<name>` references and gates (no cycle) are consistent."""
+        """Judge and model names, `judge:` / `model:` references and gates (no cycle) are consistent."""
         judges = [j.name for j in self.judges]
         if len(set(judges)) != len(judges) or not all(judges):
             raise ConfigError(f"config key 'reward.judges' needs unique, non-empty names, got {judges}")
+        models = {m.name: m for m in self.models}
+        if len(models) != len(self.models) or not all(models):
+            raise ConfigError(
+                f"config key 'reward.models' needs unique, non-empty names, got {[m.name for m in self.models]}"
+            )
+        for m in self.models:
+            if m.images_from:
+                source = models.get(m.images_from)
+                if m.kind not in ("clip", "scene_scorer"):
+                    raise ConfigError(f"reward model {m.name!r}: images_from is for clip and scene_scorer models")
+                if source is None or source.kind not in ("text_to_image", "scene_renderer"):
+                    raise ConfigError(
+                        f"reward model {m.name!r}: images_from {m.images_from!r} is not a text_to_image or "
+                        "scene_renderer model in reward.models"
+                    )
+            elif m.kind in ("clip", "scene_scorer"):
+                raise ConfigError(f"reward model {m.name!r} ({m.kind}) needs images_from: the model drawing the images")
+            if m.kind in ("clip", "sequence_classifier", "text_to_image") and not m.path:
+                raise ConfigError(f"reward model {m.name!r} ({m.kind}) needs a path (local folder or hub id)")
+            if m.batch_size < 1:
+                raise ConfigError(f"reward model {m.name!r}: batch_size must be >= 1")
+        for component in self.components:
+            name = model_name(component.function or component.name)
+            if name is None:
+                continue
+            if name not in models:
+                raise ConfigError(
+                    f"reward component {component.name!r} uses model {name!r}, but reward.models defines "
+                    f"{', '.join(models) or 'none'}"
+                )
+            if models[name].kind in ("text_to_image", "scene_renderer"):
+                raise ConfigError(
+                    f"reward component {component.name!r}: model {name!r} draws images and gives no score; "
+                    "score its images with a clip or scene_scorer model (images_from)"
+                )
         components = {c.name: c for c in self.components}
         for component in self.components:
             name = judge_name(component.function or component.name)

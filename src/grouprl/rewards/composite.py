@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grouprl.config import RewardConfig, judge_name, stages_of
+from grouprl.config import RewardConfig, judge_name, model_name, stages_of
 from grouprl.errors import ConfigError
 from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rewards.judges.component import JudgeComponent
@@ -196,6 +196,7 @@ class CompositeReward:
         self.components = components
         self.fallback = float(fallback)
         self.judges = dict(judges or {})  # judge name -> JudgeClient, closed by close()
+        self.models = None  # the reward-model worker (rewards.models.ModelPool), closed by close()
         index = {name: i for i, name in enumerate(names)}
         self._gate_index = [index[c.gate] if c.gate else None for c in components]
         self._stages = [
@@ -215,12 +216,22 @@ class CompositeReward:
         judge_configs = {j.name: j for j in cfg.judges}
         judges: dict[str, Any] = {}
         components = []
+        pool = None
         try:
+            if any(model_name(c.function or c.name) for c in cfg.components):
+                from grouprl.rewards.models import ModelPool
+
+                cache = Path(run_dir) / "image_cache" if run_dir is not None else Path(".grouprl-image-cache")
+                pool = ModelPool(cfg.models, cache_dir=next((m.cache_dir for m in cfg.models if m.cache_dir), cache))
             for c in cfg.components:
                 spec = c.function or c.name
                 name = judge_name(spec)
                 extra: dict[str, Any] = {}
-                if name is None:
+                if model_name(spec) is not None:
+                    from grouprl.rewards.models import ModelComponent
+
+                    fn = ModelComponent(pool, model_name(spec))
+                elif name is None:
                     fn = load_reward_function(spec)
                 else:
                     if name not in judge_configs:
@@ -248,15 +259,26 @@ class CompositeReward:
                         **extra,
                     )
                 )
-            return cls(components, fallback=cfg.fallback, judges=judges)
+            composite = cls(components, fallback=cfg.fallback, judges=judges)
+            composite.models = pool
+            return composite
         except BaseException:
             for judge in judges.values():
                 judge.close()
+            if pool is not None:
+                pool.close()
             raise
 
     def close(self) -> None:
         for judge in self.judges.values():
             judge.close()
+        if self.models is not None:
+            self.models.close()
+            self.models = None
+
+    def step_metrics(self) -> dict[str, float]:
+        """What the reward models did since the last call (items, batches, busy time, queue)."""
+        return self.models.step_metrics() if self.models is not None else {}
 
     def score(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Score in place; return metrics. Async components run concurrently within a stage."""

@@ -35,6 +35,7 @@ class Trajectory:
     prompt_images: list[Any] = field(default_factory=list)
     response_images: list[Any] = field(default_factory=list)
     rewards: dict[str, float] = field(default_factory=dict)  # named components
+    artifacts: dict[str, str] = field(default_factory=dict)  # files reward models made (model -> image path)
     reward: float = 0.0  # composite
     advantage: float = 0.0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -130,6 +131,11 @@ def make_loggers(
     return loggers
 
 
+def _safe(name: str) -> str:
+    """A file-name-safe form of a uid or model name."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name))[:80]
+
+
 class RolloutWriter:
     """rollouts.jsonl: one line per trajectory (the curriculum engine reads it)."""
 
@@ -145,10 +151,25 @@ class RolloutWriter:
             self.file.write("\n".join(lines) + "\n")
 
     @staticmethod
-    def lines(run: str, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str]) -> list[str]:
-        """The trajectories' records (JSON lines)."""
+    def lines(
+        run: str,
+        step: int,
+        trajectories: list[Trajectory],
+        prompt_texts: dict[str, str],
+        images_dir: Path | None = None,
+    ) -> list[str]:
+        """The trajectories' records (JSON lines). Images reward models drew for a trajectory
+        are copied to `images_dir/step_N/` and named in its record (paths relative to the run)."""
         lines = []
         for t in trajectories:
+            images = {}
+            if t.artifacts and images_dir is not None:
+                folder = Path(images_dir) / f"step_{step}"
+                folder.mkdir(parents=True, exist_ok=True)
+                for model, source in t.artifacts.items():
+                    target = folder / f"{_safe(t.uid)}_{t.index}_{_safe(model)}{Path(source).suffix}"
+                    shutil.copyfile(source, target)
+                    images[model] = str(target.relative_to(Path(images_dir).parent))
             record = {
                 "run": run,
                 "step": step,
@@ -167,6 +188,8 @@ class RolloutWriter:
                 "ground_truth": t.sample.ground_truth,
                 "time": time.time(),
             }
+            if images:
+                record["images"] = images
             lines.append(json.dumps(record, default=str))
         return lines
 

@@ -725,6 +725,7 @@ class Trainer:
                 "perf/tokens_per_s": all_tokens / max(t_synced - t0, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
                 "perf/state_gb": state_gb(self.model, self.optimizer),
+                **self.reward.step_metrics(),  # reward models: items, batches, busy time, queue
                 "train/epoch": float(self.sampler.epoch),
                 **self.prompt_stats,
             }
@@ -856,7 +857,9 @@ class Trainer:
                 if c.log_rollouts:  # every rank's trajectories, in the batch's order
                     for t in trajectories:
                         prompt_text.setdefault(t.uid, t.sample.messages[-1].get("content", ""))
-                    lines = RolloutWriter.lines(c.experiment_name, self.step, trajectories, prompt_text)
+                    lines = RolloutWriter.lines(
+                        c.experiment_name, self.step, trajectories, prompt_text, self.run_dir / "images"
+                    )
                     n = self.cfg.rollout.n_agent  # in the batch's order: by group, then sample
                     groups = self._groups if self.ranks.distributed else range(len(lines) // n + 1)
                     mine = [(groups[k // n], k % n, line) for k, line in enumerate(lines)]
