@@ -312,13 +312,26 @@ class JudgeConfig:
 class RewardModelConfig:
     name: str = "model"
     """Name components use: function `model:<name>` (its score), or another model's images_from."""
-    kind: Literal["clip", "sequence_classifier", "text_to_image", "scene_renderer", "scene_scorer"] = "clip"
+    kind: Literal[
+        "clip", "sequence_classifier", "text_to_image", "http_image", "scene_renderer", "scene_scorer"
+    ] = "clip"
     """clip: image-text similarity (CLIP/SigLIP via transformers); sequence_classifier: a reward
     model scoring prompt + response; text_to_image: a diffusers pipeline drawing the response
-    (used through a scorer's images_from); scene_renderer / scene_scorer: the built-in Pillow
-    stand-ins for the two (the offline demo)."""
+    (used through a scorer's images_from); http_image: an image-generation service (OpenAI
+    images API shape) in its place; scene_renderer / scene_scorer: the built-in Pillow stand-ins
+    for a drawer and a scorer (the offline demo)."""
     path: str = ""
-    """Local folder or hub id, from_pretrained style (the scene kinds need none)."""
+    """Local folder or hub id, from_pretrained style (the scene kinds need none); http_image: the
+    model name sent to the service."""
+    base_url: str = ""
+    """http_image: the service's base URL (.../v1); requests go to <base_url>/images/generations."""
+    api_key_env: str = ""
+    """http_image: name of the environment variable holding the API key ("" = send none)."""
+    timeout_s: float = 120.0
+    """http_image: one request's time limit."""
+    max_retries: int = 4
+    """http_image: retries of a request that failed with 429, 5xx or a connection error
+    (Retry-After honoured, else exponential backoff with jitter)."""
     device: str = "cpu"
     """Where the model runs, e.g. cuda:1 (its own GPU), cpu."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -396,15 +409,17 @@ class RewardConfig:
                 source = models.get(m.images_from)
                 if m.kind not in ("clip", "scene_scorer"):
                     raise ConfigError(f"reward model {m.name!r}: images_from is for clip and scene_scorer models")
-                if source is None or source.kind not in ("text_to_image", "scene_renderer"):
+                if source is None or source.kind not in ("text_to_image", "http_image", "scene_renderer"):
                     raise ConfigError(
-                        f"reward model {m.name!r}: images_from {m.images_from!r} is not a text_to_image or "
-                        "scene_renderer model in reward.models"
+                        f"reward model {m.name!r}: images_from {m.images_from!r} is not a text_to_image, "
+                        "http_image or scene_renderer model in reward.models"
                     )
             elif m.kind in ("clip", "scene_scorer"):
                 raise ConfigError(f"reward model {m.name!r} ({m.kind}) needs images_from: the model drawing the images")
             if m.kind in ("clip", "sequence_classifier", "text_to_image") and not m.path:
                 raise ConfigError(f"reward model {m.name!r} ({m.kind}) needs a path (local folder or hub id)")
+            if m.kind == "http_image" and not m.base_url:
+                raise ConfigError(f"reward model {m.name!r} (http_image) needs base_url")
             if m.batch_size < 1:
                 raise ConfigError(f"reward model {m.name!r}: batch_size must be >= 1")
         for component in self.components:
@@ -416,7 +431,7 @@ class RewardConfig:
                     f"reward component {component.name!r} uses model {name!r}, but reward.models defines "
                     f"{', '.join(models) or 'none'}"
                 )
-            if models[name].kind in ("text_to_image", "scene_renderer"):
+            if models[name].kind in ("text_to_image", "http_image", "scene_renderer"):
                 raise ConfigError(
                     f"reward component {component.name!r}: model {name!r} draws images and gives no score; "
                     "score its images with a clip or scene_scorer model (images_from)"

@@ -256,3 +256,96 @@ def test_drawn_images_go_to_the_run_folder_beside_their_rewards(tmp_path):
     record = json.loads(line)
     assert record["images"] == {"clip": "images/step_3/u0_0_clip.png"}
     assert (tmp_path / "run" / record["images"]["clip"]).read_bytes() == b"png bytes"
+
+
+# ------------------------------------------------------------------ an image service over HTTP
+class FakeImageService:
+    """POST /v1/images/generations (OpenAI images API shape) on 127.0.0.1: a solid colour per
+    (prompt, seed); a prompt's first request is answered 429 (Retry-After: 0), the prompt
+    "explode" always 500 with the key in the body (it must not reach a message)."""
+
+    def __init__(self, key):
+        import http.server
+        import threading
+
+        service = self
+        self.key, self.requests, self.seen = key, [], set()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                import base64
+                import io
+                import json
+
+                from PIL import Image
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                service.requests.append((self.path, self.headers.get("Authorization"), body))
+                prompt = body["prompt"]
+                if prompt == "explode":
+                    return self.reply(500, {"error": f"bad key {service.key}?"})
+                if prompt not in service.seen:
+                    service.seen.add(prompt)
+                    return self.reply(429, {"error": "slow down"}, {"Retry-After": "0"})
+                colour = tuple((hash(prompt) + body["seed"] * k) % 256 for k in (1, 3, 7))
+                buffer = io.BytesIO()
+                width, height = map(int, body["size"].split("x"))
+                Image.new("RGB", (width, height), colour).save(buffer, format="PNG")
+                self.reply(200, {"data": [{"b64_json": base64.b64encode(buffer.getvalue()).decode()}]})
+
+            def reply(self, status, payload, headers=None):
+                import json
+
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(image_models, tmp_path, monkeypatch, caplog):
+    _, clip = image_models
+    monkeypatch.setenv("IMAGE_KEY", "sk-secret-123")
+    service = FakeImageService("sk-secret-123")
+    config = RewardConfig(
+        models=[
+            RewardModelConfig(
+                name="api", kind="http_image", path="image-model-1", base_url=service.base_url,
+                api_key_env="IMAGE_KEY", height=16, width=16, batch_size=4, cache_dir=str(tmp_path / "cache"),
+            ),
+            RewardModelConfig(name="clip", kind="clip", path=str(clip), images_from="api"),
+        ],
+        components=[RewardComponentConfig(name="clip", function="model:clip")],
+        fallback=-1.0,
+    )  # fmt: skip
+    reward = CompositeReward.from_config(config)
+    try:
+        batch = trajectories([("a cat", "a red circle"), ("a cat", "explode"), ("a dog", "a blue square")])
+        with caplog.at_level(logging.WARNING):
+            metrics = reward.score(batch)
+    finally:
+        reward.close()
+        service.close()
+    assert metrics["reward/errors"] == 1 and batch[1].reward == -1.0  # the bad sample alone falls back
+    assert batch[0].reward != -1.0 and batch[2].reward != -1.0 and "clip" in batch[0].artifacts
+    path, auth, body = service.requests[-1]
+    assert path == "/v1/images/generations" and auth == "Bearer sk-secret-123"
+    assert body["model"] == "image-model-1" and body["size"] == "16x16" and body["response_format"] == "b64_json"
+    tries = [b["prompt"] for _, _, b in service.requests]
+    assert tries.count("a red circle") == 2  # 429 first, then the image
+    assert "HTTP 500" in caplog.text and "sk-secret-123" not in caplog.text

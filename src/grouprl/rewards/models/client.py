@@ -125,13 +125,18 @@ class ModelPool:
             outcome = self._call(calls, name, [item for item, *_ in entries])
             if outcome[0] == "ok":
                 for (_, future, _), value in zip(entries, outcome[1]):
-                    future.set_result(value)
+                    if isinstance(value, dict):  # this item's image could not be drawn
+                        future.set_exception(RuntimeError(value["error"]))
+                    else:
+                        future.set_result(value)
             elif len(entries) > 1 and self._dead is None:  # find the bad item: one by one
                 for item, future, _ in entries:
                     calls += 1
                     single = self._call(calls, name, [item])
-                    if single[0] == "ok":
+                    if single[0] == "ok" and not isinstance(single[1][0], dict):
                         future.set_result(single[1][0])
+                    elif single[0] == "ok":
+                        future.set_exception(RuntimeError(single[1][0]["error"]))
                     else:
                         future.set_exception(RuntimeError(single[1]))
             else:

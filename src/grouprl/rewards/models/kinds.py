@@ -1,6 +1,7 @@
 """The model kinds a reward-model worker loads, each with one batched call.
 
-Drawers (`draw(prompts, seeds) -> images`): text_to_image (diffusers), scene_renderer.
+Drawers (`draw(prompts, seeds) -> images`, an exception in place of a prompt it could not draw):
+text_to_image (diffusers), http_image (a service), scene_renderer.
 Scorers (`score(images, texts) -> floats`): clip, scene_scorer; `classify(prompts, responses)`:
 sequence_classifier. Everything heavy is imported inside the class that needs it.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-DRAWERS = ("text_to_image", "scene_renderer")
+DRAWERS = ("text_to_image", "http_image", "scene_renderer")
 
 
 def _torch_dtype(name: str):
@@ -108,6 +109,78 @@ class TextToImage:
         return list(out.images)
 
 
+class HttpImage:
+    """An image-generation service with the OpenAI images API shape: POST
+    <base_url>/images/generations {model, prompt, n: 1, size, response_format: b64_json, seed}.
+    A batch's requests run concurrently (batch_size at a time); 408/429/5xx and connection
+    errors are retried (Retry-After honoured, else exponential backoff with jitter). The key is
+    read from the environment here and never appears in an error."""
+
+    def __init__(self, cfg) -> None:
+        import os
+
+        import httpx
+
+        self.cfg = cfg
+        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        if cfg.api_key_env and not key:
+            raise RuntimeError(f"environment variable {cfg.api_key_env} (reward model {cfg.name}'s key) is not set")
+        self._key = key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.Client(base_url=cfg.base_url.rstrip("/"), headers=headers, timeout=cfg.timeout_s)
+
+    def draw(self, prompts: list[str], seeds: list[int]) -> list[Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(prompt, seed):  # a failed request is that prompt's result, not the batch's
+            try:
+                return self.one(prompt, seed)
+            except Exception as e:  # noqa: BLE001
+                return e
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self.cfg.batch_size))) as pool:
+            return list(pool.map(one, prompts, seeds))
+
+    def one(self, prompt: str, seed: int) -> Any:
+        import base64
+        import io
+        import random
+        import time
+
+        import httpx
+        from PIL import Image
+
+        from grouprl.rewards.judges.openai_compat import RETRYABLE_STATUS, parse_retry_after
+
+        c = self.cfg
+        body = {
+            "model": c.path, "prompt": prompt, "n": 1, "size": f"{c.width}x{c.height}",
+            "response_format": "b64_json", "seed": seed,
+        }  # fmt: skip
+        for attempt in range(c.max_retries + 1):
+            wait = None
+            try:
+                reply = self.http.post("/images/generations", json=body)
+            except httpx.HTTPError as e:
+                problem = f"image service unreachable ({type(e).__name__})"
+            else:
+                if reply.status_code == 200:
+                    data = reply.json()["data"][0]
+                    return Image.open(io.BytesIO(base64.b64decode(data["b64_json"]))).convert("RGB")
+                problem = f"image service returned HTTP {reply.status_code}: {self._scrub(reply.text[:160])}"
+                if reply.status_code not in RETRYABLE_STATUS:
+                    raise RuntimeError(problem)
+                wait = parse_retry_after(reply.headers.get("Retry-After"))
+            if attempt == c.max_retries:
+                raise RuntimeError(f"{problem} (after {attempt + 1} attempts)")
+            ceiling = min(30.0, 0.5 * 2**attempt)
+            time.sleep(min(wait, 30.0) if wait is not None else ceiling / 2 + random.uniform(0, ceiling / 2))
+        raise AssertionError("unreachable")
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+
 class SceneRenderer:
     """The built-in Pillow renderer (stands in for a diffusion model in the offline demo)."""
 
@@ -136,6 +209,7 @@ KINDS = {
     "clip": Clip,
     "sequence_classifier": SequenceClassifier,
     "text_to_image": TextToImage,
+    "http_image": HttpImage,
     "scene_renderer": SceneRenderer,
     "scene_scorer": SceneScorer,
 }
