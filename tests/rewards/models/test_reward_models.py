@@ -349,3 +349,30 @@ def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(ima
     tries = [b["prompt"] for _, _, b in service.requests]
     assert tries.count("a red circle") == 2  # 429 first, then the image
     assert "HTTP 500" in caplog.text and "sk-secret-123" not in caplog.text
+
+
+def test_model_rewards_score_groups_while_generation_goes_on(classifier_dir):
+    """The streaming path: groups submitted as they finish are scored by the worker while the
+    caller keeps "generating" (sleeping here); little is left to wait for at the end."""
+    import time
+
+    from grouprl.rewards.streaming import StreamingRewards
+
+    reward = CompositeReward.from_config(classifier_config(classifier_dir))
+    streaming = StreamingRewards(reward)
+    try:
+        groups = [trajectories(PAIRS)[k : k + 2] for k in (0, 2, 4)]
+        start = time.perf_counter()
+        for group in groups:
+            time.sleep(0.3)  # the next group is still generating
+            streaming.submit(group)
+        metrics = streaming.finish(generation_end=time.perf_counter())
+        assert time.perf_counter() - start < 0.9 + 0.5
+        assert metrics["time/reward_hidden"] > 0.0 and metrics["time/reward"] < 0.3
+        assert metrics["reward/errors"] == 0
+        want = reference_scores(classifier_dir, PAIRS)
+        assert [t.rewards["preference"] for g in groups for t in g] == pytest.approx(want, abs=1e-5)
+        assert reward.step_metrics()["reward_model/rm/batches"] == 3  # one per group, as it came
+    finally:
+        streaming.close()
+        reward.close()
