@@ -7,6 +7,7 @@ advantages -> ppo_epochs x mini-batches x micro-batches -> AdamW step -> log -> 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -136,7 +137,7 @@ class Trainer:
         self.ranks = Ranks.from_env(self.device.type)
         # judges log to judge.jsonl; with several ranks each takes its share of a judge's cap
         self.reward = CompositeReward.from_config(
-            cfg.reward, run_dir=self.run_dir, rank=self.ranks.rank, world=self.ranks.world
+            self._reward_config(), run_dir=self.run_dir, rank=self.ranks.rank, world=self.ranks.world
         )
         if self.ranks.distributed:
             self._check_parallel()
@@ -306,6 +307,22 @@ class Trainer:
                 raise RuntimeError(f"the images of sample {s.uid!r} processed differently than when encoded")
             out.append(images)
         return out
+
+    def _reward_config(self):
+        """cfg.reward with `builtin:` models (a local judge's, a reward model's) resolved to
+        the folders from_pretrained reads."""
+        r = self.cfg.reward
+
+        def resolved(path: str) -> str:
+            if not path.startswith("builtin:"):
+                return path
+            return resolve_model_path(dataclasses.replace(self.cfg.model, path=path, gguf_file=None))
+
+        return dataclasses.replace(
+            r,
+            judges=[dataclasses.replace(j, model=resolved(j.model)) if j.backend == "local" else j for j in r.judges],
+            models=[dataclasses.replace(m, path=resolved(m.path)) for m in r.models],
+        )
 
     def _check_parallel(self) -> None:
         """What several ranks cannot do yet, and batch sizes that do not split into whole groups."""

@@ -145,12 +145,13 @@ class JudgeClient:
 
     # -- one call, on the judge loop -----------------------------------------------------
     async def _judge(self, request: JudgeRequest) -> JudgeResult:
-        result = await self._judge_unlogged(request)
+        shown: list[JudgePrompt] = []  # the rendered prompt, for the log
+        result = await self._judge_unlogged(request, shown)
         if self.log is not None:
-            self.log.write(self.name, self.backend.model, request.request_id, result)
+            self.log.write(self.name, self.backend.model, request.request_id, result, shown[0] if shown else None)
         return result
 
-    async def _judge_unlogged(self, request: JudgeRequest) -> JudgeResult:
+    async def _judge_unlogged(self, request: JudgeRequest, shown: list) -> JudgeResult:
         cfg = self.cfg
         make_prompt = functools.partial(
             render,
@@ -165,6 +166,7 @@ class JudgeClient:
             prompt = await asyncio.to_thread(make_prompt) if has_images else make_prompt()
         except JudgeImageError as e:
             return JudgeResult(error=f"bad input: {e}")
+        shown.append(prompt)
         key = cache_key(cfg.backend, self.backend.model, prompt, cfg.temperature, cfg.max_tokens)
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             try:

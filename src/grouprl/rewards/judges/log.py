@@ -1,7 +1,9 @@
 """judge.jsonl: one line per judged request, each written with a single write + flush.
 
-Fields: `time`, `judge`, `request_id`, `model`, `latency_s`, `prompt_tokens`,
-`completion_tokens`, `raw`, `scores`, `aggregate`, `error`, `cached`, `attempts`.
+Fields: `time`, `judge`, `request_id`, `model`, `prompt` (the rendered system and user text and
+the number of images sent; null when the request never rendered), `latency_s`, `prompt_tokens`,
+`completion_tokens`, `raw` (the judge's own output), `scores`, `aggregate`, `error`, `cached`,
+`attempts`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from grouprl.rewards.judges.base import JudgeResult
+from grouprl.rewards.judges.base import JudgePrompt, JudgeResult
 
 
 def write_line(file, text: str, lock: threading.Lock) -> None:
@@ -32,12 +34,23 @@ class JudgeLog:
         self._file = open(self.path, "ab", buffering=0)  # raw: one os.write per line
         self._lock = threading.Lock()
 
-    def write(self, judge: str, model: str, request_id: str, result: JudgeResult) -> None:
+    def write(
+        self, judge: str, model: str, request_id: str, result: JudgeResult, prompt: JudgePrompt | None = None
+    ) -> None:
         record = {
             "time": time.time(),
             "judge": judge,
             "request_id": request_id,
             "model": model,
+            "prompt": (
+                None
+                if prompt is None
+                else {
+                    "system": prompt.system,
+                    "user": prompt.user,
+                    "images": sum(len(images) for _, images in prompt.image_groups),
+                }
+            ),
             "latency_s": round(result.latency_s, 6),
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens,
