@@ -125,7 +125,7 @@ def test_dataset_without_the_needed_columns(capsys, tmp_path, no_model_load):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt_text": "hi", "label": 1}])
     message = one_line_error(capsys, "train", f"data.train_files=[{data}]", f"trainer.output_dir={tmp_path}/runs")
     assert message.startswith(f"{data} has columns prompt_text, label; expected the verl layout")
-    assert "plain layout (question, answer" in message
+    assert "plain layout (question, optional answer" in message
 
 
 def test_empty_dataset(capsys, tmp_path, no_model_load):

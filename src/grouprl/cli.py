@@ -124,6 +124,9 @@ def describe_plan(cfg) -> list[str]:
         else ""
     )
     lines.append(f"reward: {comps}{judges}{' (streamed per group)' if cfg.reward.streaming else ''}")
+    for m in cfg.reward.models:  # each in the reward-model worker, on its own device
+        what = f"{m.kind} {m.path or m.base_url or '(built-in)'} on {m.device}, batches of {m.batch_size}"
+        lines.append(f"reward model {m.name}: {what}" + (f", scores {m.images_from}'s images" if m.images_from else ""))
     if cfg.data.train_files:
         for f in cfg.data.train_files + cfg.data.val_files:
             lines.append(f"data: {f}" + ("" if Path(f).exists() else "  [WARNING: not found]"))

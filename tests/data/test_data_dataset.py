@@ -247,7 +247,7 @@ def test_missing_columns_name_found_and_accepted(tmp_path):
     pq.write_table(pa.table({"query": ["q"], "answer": ["a"]}), path)
     message = error_of([path])
     assert "has columns query, answer" in message
-    assert "verl layout (prompt" in message and "plain layout (question, answer" in message
+    assert "verl layout (prompt" in message and "plain layout (question, optional answer" in message
 
 
 def test_malformed_prompt_names_the_row(tmp_path):
@@ -297,3 +297,12 @@ def test_bad_images_are_one_line_naming_the_row(tmp_path, images, question, mess
         assert str(e.value).startswith(expected) and "\n" not in str(e.value)
     else:
         assert str(e.value) == expected
+
+
+def test_plain_rows_without_an_answer_have_no_ground_truth(tmp_path):
+    """Prompts scored without a reference (image prompts scored by CLIP) need no answer column."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"question": "a cat"}\n{"question": "two dogs"}\n')
+    samples = load_samples([path])
+    assert [s.messages[-1]["content"] for s in samples] == ["a cat", "two dogs"]
+    assert [s.ground_truth for s in samples] == [None, None]

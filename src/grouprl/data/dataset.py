@@ -3,7 +3,8 @@
 The layout is detected per file from its columns:
 - verl: `prompt` (list of {role, content}), optional `data_source`, `images`,
   `reward_model` ({style, ground_truth}), `extra_info` (dict; `index`/`id`/`uid`, gold pages).
-- plain: `question`, `answer`, optional `id`, `images`, `gold_docs`, `system`.
+- plain: `question`, optional `answer` (none for tasks scored without one, e.g. image prompts),
+  `id`, `images`, `gold_docs`, `system`.
 Columns outside a layout are kept in `extra_info` (without overwriting its own keys).
 """
 
@@ -26,7 +27,7 @@ VERL_COLUMNS = ("data_source", "prompt", "images", "reward_model", "extra_info")
 PLAIN_COLUMNS = ("id", "question", "answer", "images", "gold_docs", "system", "data_source")
 LAYOUTS = (
     "verl layout (prompt, optional reward_model, extra_info, images, data_source) "
-    "or plain layout (question, answer, optional id, images, gold_docs, system)"
+    "or plain layout (question, optional answer, id, images, gold_docs, system)"
 )
 
 
@@ -135,7 +136,7 @@ def _plain(value: Any) -> Any:
 def _to_samples(records: list[dict[str, Any]], columns: list[str], path: Path) -> list[Sample]:
     if "prompt" in columns:
         return [_verl_sample(record, path, row) for row, record in enumerate(records)]
-    if "question" in columns and "answer" in columns:
+    if "question" in columns:
         return [_plain_sample(record, path, row) for row, record in enumerate(records)]
     raise DataError(f"{path} has columns {', '.join(columns) or 'none'}; expected the {LAYOUTS}")
 

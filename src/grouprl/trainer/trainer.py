@@ -40,6 +40,7 @@ from grouprl.rollout.tools.factory import build_tools
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from grouprl.trainer.export import export_model
+from grouprl.trainer.image_report import eval_rows, write_report
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.models import (
     autocast,
@@ -234,6 +235,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
         self.step = 0
         self.history: list[dict] = []  # evaluation results by step
+        self._eval_images: list[tuple[int, list[dict]]] = []  # (step, rows) of evaluations that drew images
+        self._originals: list[dict] | None = None  # the held-out requests drawn as written
         self.best_metric = -math.inf
         self.counters = {
             "skipped_steps": 0,
@@ -786,6 +789,9 @@ class Trainer:
                     [s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True, first_group=start
                 )
         self.reward.score(trajectories)
+        if any(t.artifacts for t in trajectories):  # the reward draws images: keep them for the report
+            self._keep_eval_images(trajectories)
+        self.reward.step_metrics()  # reward-model counters stay the training steps' own
         metric = self.cfg.reward.val_metric
         rows = [
             (t.reward if metric == "reward" else t.rewards[metric], t.reward, len(t.response_ids), t.rewards)
@@ -802,6 +808,23 @@ class Trainer:
             out[f"val/{name}"] = float(np.nanmean([r[3][name] for r in rows]))
         self.history.append({"step": self.step, **out})
         return out
+
+    def _keep_eval_images(self, trajectories: list[Trajectory]) -> None:
+        """This evaluation's images and scores (every rank's), and once, those of the held-out
+        requests drawn as written (same seeds), for the before/after report."""
+
+        def prompt_of(t):
+            return str(t.sample.messages[-1].get("content", ""))
+
+        rows = [r for part in self.ranks.gather(eval_rows(trajectories, prompt_of)) for r in part]
+        self._eval_images.append((self.step, rows))
+        if self._originals is None:
+            as_written = [
+                Trajectory(sample=t.sample, index=t.index, prompt_ids=t.prompt_ids, response_text=prompt_of(t))
+                for t in trajectories
+            ]
+            self.reward.score(as_written)
+            self._originals = [r for part in self.ranks.gather(eval_rows(as_written, prompt_of)) for r in part]
 
     def _maybe_save_best(self, val: dict[str, float]) -> None:
         if not self.cfg.trainer.save_best or "val/accuracy" not in val:
@@ -932,6 +955,12 @@ class Trainer:
                 self.streaming = None
             self.reward.close()
         summary = self.summary()
+        if main and self._originals is not None and len(self._eval_images) >= 2:
+            (first, before), (last, after) = self._eval_images[0], self._eval_images[-1]
+            summary["image_report"] = write_report(
+                self.run_dir / "report", self._originals, before, after, (first, last)
+            )
+            say(summary["image_report"] + f" (report: {self.run_dir / 'report' / 'grid.png'})")
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(summary["line"])
