@@ -6,12 +6,14 @@ from collections.abc import Callable
 
 from grouprl.data.sample import Sample
 from grouprl.data.tasks.arithmetic import make_arithmetic
+from grouprl.data.tasks.scenes import make_scenes
 from grouprl.data.tasks.shapes import make_shapes
 from grouprl.data.tasks.slides import make_slides
 from grouprl.errors import ConfigError
 
 TASKS: dict[str, Callable[..., list[Sample]]] = {
     "arithmetic": make_arithmetic,
+    "scenes": make_scenes,
     "shapes": make_shapes,
     "slides": make_slides,
 }

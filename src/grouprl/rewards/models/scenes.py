@@ -1,8 +1,9 @@
 """Pillow stand-ins for a text-to-image model and CLIP, for the offline scenes demo.
 
-`SceneRenderer` draws only what the description language says (`2 red circles top-left;
-1 blue square bottom-right`, see `grouprl.data.tasks.scene_language`): free-form English draws
-nothing, so a policy earns reward by learning to rewrite requests into descriptions.
+`SceneRenderer` draws what the description language says (`2 red circles top-left; 1 blue
+square bottom-right`, see `grouprl.data.tasks.scene_language`), choosing from its seed what a
+clause leaves unsaid: free-form English with synonyms draws nothing or the wrong picture, so a
+policy earns reward by learning to rewrite requests into descriptions.
 `SceneScorer` reads the original free-form request and checks the picture by its pixels.
 
 Score of an image against a request of K clauses (count n, colour c, shape s, region r):
@@ -25,9 +26,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from grouprl.data.tasks.scene_language import BACKGROUND, COLOURS, Clause, parse_description, parse_request
+from grouprl.data.tasks.scene_language import (
+    BACKGROUND,
+    COLOURS,
+    COUNTS,
+    REGIONS,
+    SHAPES,
+    Clause,
+    Said,
+    parse_description,
+    parse_request,
+)
 
-EXTRA_PENALTY = 0.1  # per object the request did not ask for
+EXTRA_PENALTY = 0.05  # per object the request did not ask for
 # Centres of the objects of a group, as fractions of the quadrant's side; the seed picks one.
 LAYOUTS = {
     1: (((0.5, 0.5),),),
@@ -40,18 +51,19 @@ LAYOUTS = {
     3: (((0.25, 0.27), (0.75, 0.27), (0.5, 0.75)), ((0.25, 0.73), (0.75, 0.73), (0.5, 0.25))),
 }
 SIZE_SHARE = {1: 0.45, 2: 0.33, 3: 0.28}  # an object's side, as a fraction of the quadrant's
-JITTER = {1: 0.09, 2: 0.06, 3: 0.03}  # largest shift of a group, as a fraction of the quadrant's
+JITTER = {1: 0.09, 2: 0.04, 3: 0.03}  # largest shift of a group, as a fraction of the quadrant's
 COLOUR_TOLERANCE = 60  # largest L1 distance of a pixel to its palette colour
 SQUARE_FILL, CIRCLE_FILL = 0.9, 0.65  # fill of the bounding box: square ~1, circle ~0.78, triangle ~0.52
 
 
 class SceneRenderer:
-    """Description -> RGB picture, deterministic for (prompt, seed): the seed only jitters
-    where and how large the objects are, so equal seeds give pictures that differ by prompt."""
+    """Description -> RGB picture, deterministic for (prompt, seed). The seed jitters where and
+    how large the objects are and fills in what a clause leaves unsaid, drawing the same numbers
+    for a clause whatever it says, so equal seeds give pictures that differ only by prompt."""
 
     def __init__(self, size: int = 64) -> None:
-        if size < 32:
-            raise ValueError(f"scene pictures need at least 32 pixels a side, got {size}")
+        if size < 48:
+            raise ValueError(f"scene pictures need at least 48 pixels a side, got {size}")
         self.size = size
 
     def __call__(self, prompts: list[str], seeds: list[int]) -> list[Any]:
@@ -59,14 +71,18 @@ class SceneRenderer:
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         return [self.draw(parse_description(p), s) for p, s in zip(prompts, seeds)]
 
-    def draw(self, clauses: list[Clause], seed: int) -> Any:
+    def draw(self, clauses: list[Said], seed: int) -> Any:
         from PIL import Image, ImageDraw
 
         image = Image.new("RGB", (self.size, self.size), BACKGROUND)
         pen = ImageDraw.Draw(image)
-        rng = random.Random(seed)
         q = self.size // 2
-        for clause in clauses:
+        for index, said in enumerate(clauses):
+            rng = random.Random(f"{seed}/{index}")  # a clause's draws do not depend on the others
+            unsaid = Clause(
+                rng.choice(COUNTS), rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(REGIONS)
+            )
+            clause = Clause(*(s if s is not None else u for s, u in zip(said, unsaid)))
             left = q if clause.region.endswith("right") else 0
             top = q if clause.region.startswith("bottom") else 0
             layout = rng.choice(LAYOUTS[clause.count])
