@@ -18,7 +18,7 @@ from grouprl.data.tasks.scene_language import (
     parse_description,
     parse_request,
 )
-from grouprl.rewards.models.scenes import EXTRA_PENALTY, SceneRenderer, SceneScorer, find_blobs
+from grouprl.rewards.models.scenes import NEAR, SceneRenderer, SceneScorer, find_blobs
 
 REQUEST = "a pair of crimson balls in the upper left corner"  # 2 red circles top-left
 PAIR = "two red balls in the upper left and a navy box at the bottom right"  # + 1 blue square bottom-right
@@ -70,41 +70,50 @@ def test_canonical_description_scores_one():
 @pytest.mark.parametrize(
     "description, expected",
     [
-        # colour 0, region 1, count 0, shape 0 = 1/4; two extra objects
-        ("2 blue circles top-left", 0.25 - 2 * EXTRA_PENALTY),
-        # colour 1, region 0, count 0, shape 0 = 1/4; two extra objects
-        ("2 red circles bottom-right", 0.25 - 2 * EXTRA_PENALTY),
+        # missed: something in the region (NEAR), not the colour; neither object asked for (precision 0)
+        ("2 blue circles top-left", NEAR * 1 / 2),
+        # missed: the colour somewhere (NEAR), nothing in the region; precision 0
+        ("2 red circles bottom-right", NEAR * 1 / 2),
         # count min/max = 1/2
-        ("1 red circle top-left", (3 + 1 / 2) / 4),
-        ("3 red circles top-left", (3 + 2 / 3) / 4),
+        ("1 red circle top-left", 1 / 2 + 1 / 8 + 1 / 4),
+        ("3 red circles top-left", 1 / 2 + (2 / 3) / 4 + 1 / 4),
         # shape 0
         ("2 red squares top-left", 3 / 4),
         ("2 red triangles top-left", 3 / 4),
-        # one or three objects nobody asked for
-        ("2 red circles top-left; 1 blue square bottom-right", 1 - EXTRA_PENALTY),
-        ("2 red circles top-left; 3 green triangles bottom-left", 1 - 3 * EXTRA_PENALTY),
-        # wrong colour, place and shape: 0 and clipped at 0
+        # objects nobody asked for: precision 2/3, 2/5
+        ("2 red circles top-left; 1 blue square bottom-right", (1 + 2 / 3) / 2),
+        ("2 red circles top-left; 3 green triangles bottom-left", (1 + 2 / 5) / 2),
+        # wrong colour, place and shape: nothing near
         ("3 blue squares bottom-right", 0.0),
     ],
 )
 def test_one_clause_loses_the_worked_fraction(description, expected):
-    assert EXTRA_PENALTY == 0.05
+    assert NEAR == 0.1
     assert score(description) == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.parametrize(
     "description, expected",
     [
-        ("2 red circles top-left", 0.5),  # the second clause 0
+        ("2 red circles top-left", 0.5),  # the second clause 0 (no blue, nothing bottom-right)
         ("1 blue square bottom-right", 0.5),
-        # each clause: colour 1, region 1 (the other group is there), count 0, shape 0 = 1/2;
-        # all three objects are extras
-        ("2 red circles bottom-right; 1 blue square top-left", 0.5 - 3 * EXTRA_PENALTY),
+        # each clause missed with both near credits (its colour is drawn, its region holds the
+        # other group): recall 0.2; no object where it was asked: precision 0
+        ("2 red circles bottom-right; 1 blue square top-left", 0.2 / 2),
         ("2 red circles top-left; 1 blue circle bottom-right", (1 + 3 / 4) / 2),
     ],
 )
 def test_two_clauses_average(description, expected):
     assert score(description, PAIR) == pytest.approx(expected, abs=1e-6)
+
+
+def test_drawing_everything_everywhere_does_not_pay():
+    """The generic answer a policy could learn instead of reading the request: a group of each
+    colour in each quadrant scores far below the right description."""
+    spray = "; ".join(f"1 {c} circle {r}" for c, r in zip(("red", "blue", "green", "yellow"), ("top-left", "top-right", "bottom-left", "bottom-right")))
+    # the red circle in the top-left is a hit (count 1/2): clause 7/8; 1 of 4 objects asked for
+    assert score(spray) == pytest.approx(7 / 8 * (1 + 1 / 4) / 2, abs=1e-6)
+    assert score(spray) < 0.6 * score("2 red circles top-left")
 
 
 def test_free_form_request_verbatim_draws_nothing():
