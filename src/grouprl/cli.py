@@ -170,6 +170,14 @@ def cmd_train(args) -> int:
 
     trainer = Trainer(cfg)
     trainer.fit()
+    if trainer.ranks.owns_group:
+        # a torchrun rank whose work is saved and whose process group is left: tearing the
+        # interpreter down can still abort it ("terminate called without an active exception"
+        # from a communication thread), which fails the whole job; leave without teardown
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -137,6 +137,8 @@ def _to_samples(records: list[dict[str, Any]], columns: list[str], path: Path) -
     if "prompt" in columns:
         return [_verl_sample(record, path, row) for row, record in enumerate(records)]
     if "question" in columns:
+        if "answer" not in columns:  # fine for prompts scored without a reference; a typo otherwise
+            logger.warning("%s has no 'answer' column: its samples have no ground truth", path)
         return [_plain_sample(record, path, row) for row, record in enumerate(records)]
     raise DataError(f"{path} has columns {', '.join(columns) or 'none'}; expected the {LAYOUTS}")
 

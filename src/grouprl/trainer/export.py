@@ -83,5 +83,10 @@ def plain_copy(model, state_dict: dict):
 
         fresh = get_peft_model(fresh, copy.deepcopy(lora[model.active_adapter]))
     fresh.load_state_dict(state_dict, assign=True)
-    (fresh.get_base_model() if lora else fresh).tie_weights()  # assigned as two parameters
+    plain = fresh.get_base_model() if lora else fresh
+    plain.tie_weights()  # assigned as two parameters
+    if getattr(base, "generation_config", None) is not None:  # built from the config, not the file
+        import copy
+
+        plain.generation_config = copy.deepcopy(base.generation_config)
     return fresh.eval()

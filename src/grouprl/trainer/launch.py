@@ -74,7 +74,9 @@ def _worker(job: dict[str, Any]) -> None:
 
     if os.path.isdir(job["cwd"]):  # Ray starts workers in its session folder; paths are the driver's
         os.chdir(job["cwd"])
-    os.environ.update(job["secrets"])
+    import ray
+
+    os.environ.update(ray.get(job["secrets"]))  # an object reference: Ray's run state never holds the values
     os.environ["OMP_NUM_THREADS"] = str(job["threads"])  # for anything this rank starts
     torch.set_num_threads(job["threads"])  # the CPUs Ray reserved, not every core of the node
     if job["setup"] is not None:
@@ -119,7 +121,8 @@ def run_on_ray(cfg: Config, setup: Callable[[], None] | None = None) -> None:
         job = {
             "config": tree,
             "cwd": os.getcwd(),
-            "secrets": _secrets(tree),
+            # by reference: train_loop_config is kept (and shown) in Ray Train's run state
+            "secrets": ray.put(_secrets(tree)),
             "threads": cfg.trainer.ray_cpus_per_worker,
             "setup": setup,
         }

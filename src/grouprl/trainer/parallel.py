@@ -119,7 +119,8 @@ def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
     total, most, least = (ranks.reduce(values, op) for op in ("sum", "max", "min"))
     out = {}
     for i, k in enumerate(keys):
-        if k.startswith(_SUMMED) or k.startswith("perf/") and k.endswith("tokens_per_s"):
+        summed_count = k.startswith("reward_model/") and k.endswith(("/items", "/batches", "/busy_s"))
+        if k.startswith(_SUMMED) or summed_count or k.startswith("perf/") and k.endswith("tokens_per_s"):
             out[k] = total[i]
         elif k.startswith(_MAXED) or k.endswith("max"):
             out[k] = most[i]

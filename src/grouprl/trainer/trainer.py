@@ -789,7 +789,8 @@ class Trainer:
                     [s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True, first_group=start
                 )
         self.reward.score(trajectories)
-        if any(t.artifacts for t in trajectories):  # the reward draws images: keep them for the report
+        # the reward draws images: keep them for the report (decided over every rank: it gathers)
+        if self.ranks.reduce([float(any(t.artifacts for t in trajectories))], "max")[0]:
             self._keep_eval_images(trajectories)
         self.reward.step_metrics()  # reward-model counters stay the training steps' own
         metric = self.cfg.reward.val_metric

@@ -327,3 +327,19 @@ def test_model_rewards_score_groups_while_generation_goes_on(classifier_dir):
     finally:
         streaming.close()
         reward.close()
+
+
+def test_a_cancelled_caller_does_not_stop_the_pool(classifier_dir):
+    """An interrupted step cancels its futures; the answers that arrive later are dropped and
+    the next items are still scored."""
+    reward = CompositeReward.from_config(classifier_config(classifier_dir))
+    try:
+        pool = reward.models
+        abandoned = [pool.submit("rm", {"prompt": "hi", "response": r}) for r in ("a", "b", "c")]
+        for future in abandoned:
+            future.cancel()
+        later = pool.submit("rm", {"prompt": "hi", "response": "hello there"})
+        assert later.result(timeout=60) == pytest.approx(reference_scores(classifier_dir, [PAIRS[0]])[0], abs=1e-5)
+        assert pool._dead is None and pool._thread.is_alive()
+    finally:
+        reward.close()

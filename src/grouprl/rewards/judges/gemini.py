@@ -19,6 +19,7 @@ the `openai` backend and needs no extra package.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 from typing import Any
@@ -32,8 +33,8 @@ DEFAULT_OPENAI_BASE = JudgeConfig.base_url  # a base_url left at this default me
 
 
 def import_genai() -> Any:
-    try:
-        from google import genai
+    try:  # import_module, not `from google import genai`: a namespace attribute outlives sys.modules
+        genai = importlib.import_module("google.genai")
     except ImportError:
         raise ConfigError(
             "judge backend 'gemini' needs the google-genai package: pip install 'grouprl[gemini]' "

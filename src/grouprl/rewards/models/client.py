@@ -118,6 +118,14 @@ class ModelPool:
             return name, [queue.popleft() for _ in range(min(size, len(queue)))]
 
     def _dispatch(self) -> None:
+        try:
+            self._serve_queue()
+        except BaseException as e:  # noqa: BLE001 - never leave callers waiting on a dead thread
+            self._dead = f"the reward-model dispatcher stopped ({type(e).__name__}: {e})"
+            log.warning("%s; model rewards fall back from now on", self._dead)
+            self._fail_queued()
+
+    def _serve_queue(self) -> None:
         calls = 0
         while (batch := self._next_batch()) is not None:
             name, entries = batch
@@ -125,23 +133,15 @@ class ModelPool:
             outcome = self._call(calls, name, [item for item, *_ in entries])
             if outcome[0] == "ok":
                 for (_, future, _), value in zip(entries, outcome[1]):
-                    if isinstance(value, dict):  # this item's image could not be drawn
-                        future.set_exception(RuntimeError(value["error"]))
-                    else:
-                        future.set_result(value)
+                    _settle(future, value)
             elif len(entries) > 1 and self._dead is None:  # find the bad item: one by one
                 for item, future, _ in entries:
                     calls += 1
                     single = self._call(calls, name, [item])
-                    if single[0] == "ok" and not isinstance(single[1][0], dict):
-                        future.set_result(single[1][0])
-                    elif single[0] == "ok":
-                        future.set_exception(RuntimeError(single[1][0]["error"]))
-                    else:
-                        future.set_exception(RuntimeError(single[1]))
+                    _settle(future, single[1][0] if single[0] == "ok" else {"error": single[1]})
             else:
                 for _, future, _ in entries:
-                    future.set_exception(RuntimeError(outcome[1]))
+                    _settle(future, {"error": outcome[1]})
             if self._dead is not None:
                 self._fail_queued()
 
@@ -168,7 +168,18 @@ class ModelPool:
         with self._ready:
             for queue in self._queues.values():
                 while queue:
-                    queue.popleft()[1].set_exception(RuntimeError(self._dead))
+                    _settle(queue.popleft()[1], {"error": self._dead})
+
+
+def _settle(future: Future, value: Any) -> None:
+    """A result, or {"error": why} as the caller's exception; a future its caller cancelled
+    (an interrupted step) is left alone."""
+    if future.done():
+        return
+    if isinstance(value, dict):
+        future.set_exception(RuntimeError(value["error"]))
+    else:
+        future.set_result(value)
 
 
 class ModelComponent:

@@ -61,6 +61,9 @@ class SequenceClassifier:
 
         self.device, self.label, self.max_length = cfg.device, cfg.label, cfg.max_length
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+        # pad on the right (positions as when scored alone, whatever the model's position
+        # scheme); cut long texts from the left, so the response being scored is what is kept
+        self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=_torch_dtype(cfg.dtype))
@@ -167,7 +170,7 @@ class HttpImage:
                 if reply.status_code == 200:
                     data = reply.json()["data"][0]
                     return Image.open(io.BytesIO(base64.b64decode(data["b64_json"]))).convert("RGB")
-                problem = f"image service returned HTTP {reply.status_code}: {self._scrub(reply.text[:160])}"
+                problem = f"image service returned HTTP {reply.status_code}: {self._scrub(reply.text)[:160]}"
                 if reply.status_code not in RETRYABLE_STATUS:
                     raise RuntimeError(problem)
                 wait = parse_retry_after(reply.headers.get("Retry-After"))

@@ -112,6 +112,13 @@ def serve(conn, configs: list, cache_dir: str) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
+    try:
+        _answer(conn, models)
+    except (KeyboardInterrupt, BrokenPipeError, EOFError):  # the trainer stops or is gone
+        return
+
+
+def _answer(conn, models: Models) -> None:
     while True:
         try:
             message = conn.recv()
