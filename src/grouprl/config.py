@@ -346,7 +346,7 @@ class RewardModelConfig:
     label: int = 0
     """sequence_classifier: the logit used as the score (0 for single-output reward models)."""
     max_length: int = 1024
-    """sequence_classifier: tokens of prompt + response kept (the end is cut)."""
+    """sequence_classifier: tokens of prompt + response kept (the start is cut: the response stays)."""
     steps: int = 28
     """text_to_image: denoising steps."""
     guidance_scale: float = 7.0
