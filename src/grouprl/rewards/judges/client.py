@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Coroutine
@@ -42,6 +41,7 @@ from grouprl.rewards.judges.base import (
 from grouprl.rewards.judges.cache import JudgeCache, cache_key
 from grouprl.rewards.judges.images import JudgeImageError
 from grouprl.rewards.judges.log import JudgeLog
+from grouprl.rewards.judges.openai_compat import backoff_delay
 from grouprl.rewards.judges.parsing import JudgeParseError, parse_scores
 from grouprl.rewards.judges.prompt import load_template, render
 
@@ -223,12 +223,7 @@ class JudgeClient:
         return JudgeResult(raw=raw, error=error, attempts=attempts, latency_s=latency)
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
-        """Retry-After when given, else base * 2**attempt with equal jitter; capped at backoff_max_s."""
-        cfg = self.cfg
-        if retry_after is not None:
-            return min(retry_after, cfg.backoff_max_s)
-        ceiling = min(cfg.backoff_max_s, cfg.backoff_base_s * 2**attempt)
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+        return backoff_delay(attempt, retry_after, self.cfg.backoff_base_s, self.cfg.backoff_max_s)
 
     def _scored(
         self, completion: Completion, *, cached: bool, attempts: int, latency_s: float

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import email.utils
 import json
+import random
 import time
 import urllib.request
 from typing import Any
@@ -33,6 +34,15 @@ from grouprl.errors import ConfigError
 from grouprl.rewards.judges.base import Completion, JudgeBackendError, JudgePrompt
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+def backoff_delay(attempt: int, retry_after: float | None, base_s: float, max_s: float) -> float:
+    """Seconds before retry `attempt` (0-based): Retry-After when given, else base * 2**attempt
+    with equal jitter; capped at max_s."""
+    if retry_after is not None:
+        return min(retry_after, max_s)
+    ceiling = min(max_s, base_s * 2**attempt)
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
 def parse_retry_after(value: str | None) -> float | None:

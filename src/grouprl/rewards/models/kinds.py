@@ -147,13 +147,12 @@ class HttpImage:
     def one(self, prompt: str, seed: int) -> Any:
         import base64
         import io
-        import random
         import time
 
         import httpx
         from PIL import Image
 
-        from grouprl.rewards.judges.openai_compat import RETRYABLE_STATUS, parse_retry_after
+        from grouprl.rewards.judges.openai_compat import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 
         c = self.cfg
         body = {
@@ -176,8 +175,7 @@ class HttpImage:
                 wait = parse_retry_after(reply.headers.get("Retry-After"))
             if attempt == c.max_retries:
                 raise RuntimeError(f"{problem} (after {attempt + 1} attempts)")
-            ceiling = min(30.0, 0.5 * 2**attempt)
-            time.sleep(min(wait, 30.0) if wait is not None else ceiling / 2 + random.uniform(0, ceiling / 2))
+            time.sleep(backoff_delay(attempt, wait, base_s=0.5, max_s=30.0))
         raise AssertionError("unreachable")
 
     def _scrub(self, text: str) -> str:
