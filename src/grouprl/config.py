@@ -625,6 +625,8 @@ class TrainerConfig:
     """Evaluate every N steps (0 = only before and after training)."""
     val_before_train: bool = True
     """Evaluate the starting model (the baseline)."""
+    val_breakdown: str = ""
+    """Also log held-out accuracy per value of this key: data_source, or a key of the samples' extra_info (e.g. kind): val/accuracy/<value>."""
     save_best: bool = True
     """Keep the model with the best mean evaluation metric in <run>/best."""
     save_final: bool = True
@@ -720,6 +722,8 @@ class SFTConfig:
     """Seed of the built-in task (the same seed gives the same corpus and questions)."""
     task_self_answer: bool = False
     """Gold trajectories end with the policy's own <answer> (for agent.answer_generator: none), not <search_complete>."""
+    task_page_images: bool = False
+    """slides: each gold search observation also shows the first hit's page image, as the search tool shows a VLM policy (VLM models only)."""
     epochs: int = 1
     """Passes over the training conversations when max_steps is 0."""
     max_steps: int = 0

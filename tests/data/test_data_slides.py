@@ -225,6 +225,36 @@ def test_self_answer_trajectories_end_with_the_gold_answer(tmp_path):
             assert kinds == {"single", "compare"}
 
 
+def test_page_images_put_the_first_hits_page_before_each_observation(tmp_path):
+    """--page-images changes only the gold trajectories: each search observation starts with one
+    <image> placeholder for the first hit's page (what the search tool shows a VLM), listed in
+    order under `images` as paths inside the task folder; the text after it is unchanged."""
+    plain = write_slides_task(tmp_path / "plain", seed=3, n_train=8, n_val=2, n_decks=4, image_size=(64, 36))
+    write_slides_task(
+        tmp_path / "pages", seed=3, n_train=8, n_val=2, n_decks=4, image_size=(64, 36), page_images=True
+    )
+    args = ["--seed", "3", "--train", "8", "--val", "2", "--decks", "4", "--page-images"]
+    assert main(["--out", str(tmp_path / "command"), *args]) == 0
+    pages, command = (folder / "sft_train.jsonl" for folder in (tmp_path / "pages", tmp_path / "command"))
+    assert pages.read_text() == command.read_text()  # the command's flag, the same records
+    a, b = digest(tmp_path / "plain"), digest(tmp_path / "pages")
+    assert {name for name in a if a[name] != b[name]} == {"sft_train.jsonl", "sft_val.jsonl"}
+    top = bm25_index(make_corpus(3, n_decks=4))
+    read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+    for before, after in zip(read(plain.sft_train), read(tmp_path / "pages" / "sft_train.jsonl")):
+        observations = [after["messages"][i + 1] for i in after["train_on"][:-1]]
+        queries = [re.search(r"<search>([^<]+)</search>", after["messages"][i]["content"]).group(1)
+                   for i in after["train_on"][:-1]]
+        assert after["images"] == [f"images/{top(q)[0]}.png" for q in queries]
+        assert all((tmp_path / "pages" / path).is_file() for path in after["images"])
+        for old, new in zip([before["messages"][i + 1] for i in before["train_on"][:-1]], observations):
+            assert new["content"] == "<image>" + old["content"]
+        assert {k: v for k, v in after.items() if k != "messages" and k != "images"} == {
+            k: v for k, v in before.items() if k != "messages"
+        }
+        assert "images" not in before
+
+
 def test_registry_and_errors():
     assert TASKS["slides"] is make_slides
     samples = make_task("slides", 10, 0, "val", few_shot=False)

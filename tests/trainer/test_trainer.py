@@ -364,3 +364,25 @@ def test_the_engine_hears_of_every_weight_change(tmp_path, model_dir, monkeypatc
     resumed = make_trainer(tmp_path, model_dir, "trainer.total_steps=3", "trainer.val_before_train=false")
     assert len(seen) == 3 and resumed.step == 2
     torch.testing.assert_close(seen[-1], seen[1], rtol=0, atol=0)
+
+
+def test_held_out_accuracy_is_also_logged_per_group(tmp_path, model_dir):
+    """trainer.val_breakdown: the reward here is the ground truth itself, so each group's mean is
+    known by hand (kind k1: 1 and 0 -> 0.5; k2: 1 and 1 -> 1.0; a row without the key counts only
+    in the whole); data_source groups the same way."""
+    rows = [("k1", "1", "s1"), ("k1", "0", "s2"), ("k2", "1", "s2"), ("k2", "1", "s2"), (None, "0", "s1")]
+    val = tmp_path / "val_verl.jsonl"
+    val.write_text("".join(json.dumps({
+        "prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": gt},
+        "data_source": source, "extra_info": {"kind": kind} if kind else {},
+    }) + "\n" for i, (kind, gt, source) in enumerate(rows)))
+    config = write_run_config(tmp_path, model_dir, reward="float(ground_truth)")
+    trainer = Trainer(load_config(config, [f"data.val_files=[{val}]", "trainer.val_breakdown=kind"]))
+    out = trainer.evaluate()
+    assert out["val/accuracy"] == pytest.approx(3 / 5)
+    assert {k: v for k, v in out.items() if k.startswith("val/accuracy/")} == {
+        "val/accuracy/k1": 0.5, "val/accuracy/k2": 1.0
+    }
+    trainer.cfg.trainer.val_breakdown = "data_source"
+    out = trainer.evaluate()
+    assert out["val/accuracy/s1"] == 0.5 and out["val/accuracy/s2"] == pytest.approx(2 / 3)

@@ -54,6 +54,23 @@ def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, fam
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rl_teaches_a_tiny_vlm_to_read_its_image(tmp_path, family):
+    """The reward needs the image: a red image asks for "r", a blue one for "b", half of each in
+    training and held out, so a policy that answers alike for both scores at most 0.5 on average.
+    From 0 (the random policy writes neither letter), GRPO must take held-out reward past it."""
+    trainer = trainer_for(
+        tmp_path, family, "rollout.n_agent=8", "actor.optim.lr=1e-2", "trainer.total_steps=80",
+        "trainer.test_freq=40", "trainer.save_best=false", "trainer.save_final=false", vision_init_std=0.2,
+    )
+    summary = trainer.fit()
+    assert summary["baseline"] < 0.1
+    # two red and two blue held-out images: above 0.9 on average is above 0.8 on each colour,
+    # which no policy that answers both alike reaches
+    assert summary["final"] > 0.9, summary["history"]
+
+
 def test_the_update_is_blind_without_the_images(tmp_path, monkeypatch):
     """The check is sharp: an update that drops the images (the peer bug) scores the sampled
     tokens differently."""

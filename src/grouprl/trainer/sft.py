@@ -109,9 +109,10 @@ def describe_sft(cfg: Config) -> list[str]:
     else:
         folder = s.task_dir or str(Path(s.output_dir) / "data")
         ending = "the policy's own <answer>" if s.task_self_answer else "<search_complete>"
+        pages = ", page images in the search observations" if s.task_page_images else ""
         data = (
             f"data: built-in task '{s.task}' (seed {s.task_seed}): {s.task_train_size} train / "
-            f"{s.task_val_size} held-out gold trajectories ending with {ending}, written to {folder}"
+            f"{s.task_val_size} held-out gold trajectories ending with {ending}{pages}, written to {folder}"
         )
     steps = f"{s.max_steps} steps" if s.max_steps else f"{s.epochs} epoch(s)"
     accumulation = math.ceil(s.batch_size / s.micro_batch_size)
@@ -150,7 +151,8 @@ def load_sft_conversations(s: SFTConfig) -> tuple[list[Conversation], list[Conve
 
     folder = Path(s.task_dir) if s.task_dir else Path(s.output_dir) / "data"
     files = write_slides_task(
-        folder, s.task_seed, s.task_train_size, s.task_val_size, self_answer=s.task_self_answer
+        folder, s.task_seed, s.task_train_size, s.task_val_size, self_answer=s.task_self_answer,
+        page_images=s.task_page_images,
     )
     val = load_conversations([str(files.sft_val)]) if s.task_val_size else []
     return load_conversations([str(files.sft_train)]), val

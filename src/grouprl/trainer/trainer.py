@@ -103,6 +103,14 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     return train, val
 
 
+def breakdown_value(sample: Sample, key: str) -> str | None:
+    """The group a held-out sample counts in for trainer.val_breakdown (None: no key, or no value)."""
+    if not key:
+        return None
+    value = sample.data_source if key == "data_source" else sample.extra_info.get(key)
+    return None if value in (None, "") else str(value)
+
+
 def drop_lines_after(path: Path, step: int) -> None:
     """Keep only the jsonl records of steps <= `step` (atomic rewrite; a torn last line goes too)."""
     if not path.is_file():
@@ -794,8 +802,10 @@ class Trainer:
             self._keep_eval_images(trajectories)
         self.reward.step_metrics()  # reward-model counters stay the training steps' own
         metric = self.cfg.reward.val_metric
+        key = self.cfg.trainer.val_breakdown
         rows = [
-            (t.reward if metric == "reward" else t.rewards[metric], t.reward, len(t.response_ids), t.rewards)
+            (t.reward if metric == "reward" else t.rewards[metric], t.reward, len(t.response_ids), t.rewards,
+             breakdown_value(t.sample, key))
             for t in trajectories
         ]
         rows = [row for part in self.ranks.gather(rows) for row in part]
@@ -807,6 +817,8 @@ class Trainer:
         }
         for name in rows[0][3]:
             out[f"val/{name}"] = float(np.nanmean([r[3][name] for r in rows]))
+        for value in sorted({r[4] for r in rows if r[4] is not None}):
+            out[f"val/accuracy/{value}"] = float(np.nanmean([r[0] for r in rows if r[4] == value]))
         self.history.append({"step": self.step, **out})
         return out
 

@@ -1,7 +1,7 @@
 """The slide-deck task on disk: gold search trajectories for SFT, slide images, and
 `write_slides_task`, which writes everything (see `grouprl.data.tasks.slides`); also
 `python -m grouprl.data.tasks.slides_files --out DIR [--seed N] [--train N] [--val N] [--decks N]
-[--self-answer]`.
+[--self-answer] [--page-images]`.
 
 A gold trajectory is the conversation a good searcher has with the agent loop, one record a
 line of `sft_*.jsonl`: `{"id", "messages", "train_on": [assistant message indices],
@@ -50,6 +50,9 @@ from grouprl.data.tasks.slides import (
     to_sample,
 )
 from grouprl.errors import ConfigError, UserError
+from grouprl.vision.images import IMAGE_PLACEHOLDER
+
+IMAGES_DIR = "images"  # the slide images' folder inside the task folder
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 class GoldSearch:
     """The agent's `<search>` tool over a BM25-only in-process retriever of `corpus.jsonl`."""
 
-    def __init__(self, corpus_path: Path, top_k: int = TOP_K):
+    def __init__(self, corpus_path: Path, top_k: int = TOP_K, page_images: bool = False):
         import bm25s
 
         from grouprl.retriever.corpus import read_corpus
@@ -73,17 +76,20 @@ class GoldSearch:
             show_progress=False,
         )
         retriever = Retriever(documents, bm25, None, None, {}, mode="bm25", fusion_k=60, candidates=100)
-        self.tool = SearchTool(retriever, top_k=top_k, max_images=0)
+        self.tool = SearchTool(retriever, top_k=top_k, max_images=1 if page_images else 0)
 
-    async def observe(self, query: str) -> tuple[str, list[str]]:
-        """The observation text the policy reads after `<search>query</search>`, and the hit ids."""
+    async def observe(self, query: str) -> tuple[str, list[str], list[str]]:
+        """The observation text the policy reads after `<search>query</search>`, the hit ids, and
+        the page image the tool shows a VLM (`images/<id>.png`, relative to the task folder;
+        none unless page_images)."""
         from grouprl.rollout.tools.base import AgentState
 
         state = AgentState(sample=Sample(uid="gold", messages=[]), index=0)
         observation = await self.tool(query, state)
         if observation.error:
             raise RuntimeError(f"gold search for {query!r} failed: {observation.error}")
-        return observation.text, [hit["id"] for hit in observation.retrieved]
+        shown = [f"{IMAGES_DIR}/{Path(str(image)).name}" for image in observation.images]
+        return observation.text, [hit["id"] for hit in observation.retrieved], shown
 
 
 # -- gold trajectories ---------------------------------------------------------------------
@@ -122,15 +128,18 @@ async def gold_conversation(
     self_answer: bool = False,
 ) -> dict[str, Any]:
     """The gold trajectory of `question` as an SFT record (see the module docstring); with
-    self_answer its last turn is `<answer>` instead of `<search_complete>`."""
+    self_answer its last turn is `<answer>` instead of `<search_complete>`. Where the search
+    shows a page image, the observation starts with its `<image>` placeholder (as the agent loop
+    shows a VLM its observations: images first) and the record lists it under `images`."""
     from grouprl.rollout.agent_prompts import with_protocol
 
     thoughts = _thoughts(question, variant)
     messages = with_protocol(sample.messages, system_prompt)
+    images: list[str] = []
     for i, fact in enumerate(question.facts):
         for shift in range(len(QUERY_FORMS)):  # the first query form whose hits hold the gold slide
             query = gold_queries(question, variant + shift)[i]
-            observation, hit_ids = await search.observe(query)
+            observation, hit_ids, shown = await search.observe(query)
             if fact.slide_id in hit_ids:
                 break
         else:
@@ -140,18 +149,20 @@ async def gold_conversation(
         messages.append(
             {"role": "assistant", "content": f"<think>{thoughts[i]}</think><search>{query}</search>"}
         )
-        messages.append({"role": "user", "content": observation})
+        messages.append({"role": "user", "content": IMAGE_PLACEHOLDER * len(shown) + observation})
+        images += shown
     action = (
         f"<answer>{question.answer}</answer>" if self_answer else "<search_complete>true</search_complete>"
     )
     messages.append({"role": "assistant", "content": f"<think>{thoughts[-1]}</think>{action}"})
-    return {
+    record = {
         "id": sample.uid,
         "messages": messages,
         "train_on": [i for i, m in enumerate(messages) if m["role"] == "assistant"],
         "gold_docs": [f.slide_id for f in question.facts],
         "answer": question.answer,
     }
+    return {**record, "images": images} if images else record
 
 
 # -- images -------------------------------------------------------------------------------
@@ -225,13 +236,16 @@ def write_slides_task(
     image_size: tuple[int, int] = (480, 270),
     system_prompt: str | None = None,
     self_answer: bool = False,
+    page_images: bool = False,
 ) -> SlidesTaskFiles:
     """Write the corpus, slide images, train/val questions and their gold trajectories under `out_dir`.
     The same arguments give byte-identical files. system_prompt: of the gold trajectories
     (None = the agent loop's built-in protocol prompt, what RL shows with agent.system_prompt unset).
     self_answer: gold trajectories end with the policy's own `<answer>` (for RL with
     `agent.answer_generator: none`, whose protocol prompt they then carry) instead of
-    `<search_complete>`; only the sft_*.jsonl files differ."""
+    `<search_complete>`; only the sft_*.jsonl files differ. page_images: each search
+    observation of a gold trajectory shows the first hit's page image, as the search tool shows
+    it to a VLM policy (for the SFT of a VLM searcher; only the sft_*.jsonl files differ)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -240,7 +254,7 @@ def write_slides_task(
     if len(image_size) != 2 or min(image_size) < 32:
         raise ConfigError(f"image_size must be [width, height], each >= 32, got {list(image_size)}")
     out = Path(out_dir)
-    images = out / "images"
+    images = out / IMAGES_DIR
     images.mkdir(parents=True, exist_ok=True)
     slides = make_corpus(seed, n_decks=n_decks, slides_per_deck=tuple(slides_per_deck))
     questions = {
@@ -261,9 +275,9 @@ def write_slides_task(
     )
     _write_jsonl(
         files.corpus,
-        [{"id": s.id, "title": s.title, "text": s.text, "image": f"images/{s.id}.png"} for s in slides],
+        [{"id": s.id, "title": s.title, "text": s.text, "image": f"{IMAGES_DIR}/{s.id}.png"} for s in slides],
     )
-    search = GoldSearch(files.corpus)
+    search = GoldSearch(files.corpus, page_images=page_images)
     prompt = protocol_prompt("none" if self_answer else "frozen", system_prompt)
 
     async def conversations(split_questions: list[Question], samples: list[Sample]) -> list[dict[str, Any]]:
@@ -284,7 +298,7 @@ def write_slides_task(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m grouprl.data.tasks.slides_files --out DIR [--seed N] [--train N] [--val N] [--decks N]
-    [--self-answer]`."""
+    [--self-answer] [--page-images]`."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -300,10 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="gold trajectories end with the policy's own <answer> (agent.answer_generator: none)",
     )
+    parser.add_argument(
+        "--page-images",
+        action="store_true",
+        help="gold search observations show the first hit's page image (the SFT of a VLM searcher)",
+    )
     args = parser.parse_args(argv)
     try:
         files = write_slides_task(
-            args.out, args.seed, args.train, args.val, n_decks=args.decks, self_answer=args.self_answer
+            args.out, args.seed, args.train, args.val, n_decks=args.decks, self_answer=args.self_answer,
+            page_images=args.page_images,
         )
     except UserError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
