@@ -164,34 +164,37 @@ def colours(n: int, seed: int = 0, size: tuple[int, int] = (56, 56)):
 
 class ForcedTurns:
     """Turn k of every trajectory is `scripts[k]` while there is one, then sampled as usual: the
-    built-in engine draws the scripted token in place of the sampled one (every row of a turn
-    is at the same position) and reports the model's log-prob of it, so a tiny random policy
-    takes real actions in the agent loop. `turns_per_rollout`: the engine calls one rollout
-    makes (every trajectory runs that many turns)."""
+    built-in engine draws the scripted token in place of the sampled one and reports the model's
+    log-prob of it, so a tiny random policy takes real actions in the agent loop. A turn is one
+    generate call of a session (every row of it starts together: the position in the turn is
+    the decode step); opening a session starts again at turn 0."""
 
-    def __init__(self, tokenizer, scripts, turns_per_rollout):
+    def __init__(self, tokenizer, scripts):
         self.ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in scripts]
-        self.turns_per_rollout = turns_per_rollout
-        self.calls, self.position = -1, 0
+        self.turn, self.position = -1, 0
 
     def install(self, monkeypatch):
         import grouprl.rollout.engines.hf as hf
 
-        real_decode, real_sample = hf.HFEngine._decode, hf.sample_next
+        real_open, real_decode, real_sample = hf.HFEngine.open_session, hf.HFEngine._decode, hf.sample_next
         forced = self
 
+        def open_session(engine, *args, **kwargs):
+            forced.turn = -1
+            return real_open(engine, *args, **kwargs)
+
         def decode(engine, *args, **kwargs):
-            forced.calls, forced.position = forced.calls + 1, 0
+            forced.turn, forced.position = forced.turn + 1, 0
             return real_decode(engine, *args, **kwargs)
 
         def sample_next(logits, params, generator, banned=None):
             drawn = real_sample(logits, params, generator, banned)  # the rows' streams advance as usual
-            turn = forced.calls % forced.turns_per_rollout
-            if turn < len(forced.ids):
-                script = forced.ids[turn]
+            if 0 <= forced.turn < len(forced.ids):
+                script = forced.ids[forced.turn]
                 drawn = torch.full_like(drawn, script[min(forced.position, len(script) - 1)])
             forced.position += 1
             return drawn
 
+        monkeypatch.setattr(hf.HFEngine, "open_session", open_session)
         monkeypatch.setattr(hf.HFEngine, "_decode", decode)
         monkeypatch.setattr(hf, "sample_next", sample_next)

@@ -366,23 +366,43 @@ def test_the_engine_hears_of_every_weight_change(tmp_path, model_dir, monkeypatc
     torch.testing.assert_close(seen[-1], seen[1], rtol=0, atol=0)
 
 
-def test_held_out_accuracy_is_also_logged_per_group(tmp_path, model_dir):
+@pytest.mark.parametrize(
+    "key, groups",
+    [
+        ("kind", {"val/accuracy/k1": 0.5, "val/accuracy/k2": 1.0}),
+        ("data_source", {"val/accuracy/s_1": 0.5, "val/accuracy/s2": 2 / 3}),  # "s/1": no nested name
+        ("kinds", {}),  # no held-out sample has it: a warning, no groups
+    ],
+)
+def test_held_out_accuracy_is_also_logged_per_group(tmp_path, model_dir, key, groups, caplog):
     """trainer.val_breakdown: the reward here is the ground truth itself, so each group's mean is
     known by hand (kind k1: 1 and 0 -> 0.5; k2: 1 and 1 -> 1.0; a row without the key counts only
     in the whole); data_source groups the same way."""
-    rows = [("k1", "1", "s1"), ("k1", "0", "s2"), ("k2", "1", "s2"), ("k2", "1", "s2"), (None, "0", "s1")]
+    rows = [("k1", "1", "s/1"), ("k1", "0", "s2"), ("k2", "1", "s2"), ("k2", "1", "s2"), (None, "0", "s/1")]
     val = tmp_path / "val_verl.jsonl"
     val.write_text("".join(json.dumps({
         "prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": gt},
         "data_source": source, "extra_info": {"kind": kind} if kind else {},
     }) + "\n" for i, (kind, gt, source) in enumerate(rows)))
     config = write_run_config(tmp_path, model_dir, reward="float(ground_truth)")
-    trainer = Trainer(load_config(config, [f"data.val_files=[{val}]", "trainer.val_breakdown=kind"]))
+    trainer = Trainer(load_config(config, [f"data.val_files=[{val}]", f"trainer.val_breakdown={key}"]))
     out = trainer.evaluate()
     assert out["val/accuracy"] == pytest.approx(3 / 5)
-    assert {k: v for k, v in out.items() if k.startswith("val/accuracy/")} == {
-        "val/accuracy/k1": 0.5, "val/accuracy/k2": 1.0
-    }
-    trainer.cfg.trainer.val_breakdown = "data_source"
-    out = trainer.evaluate()
-    assert out["val/accuracy/s1"] == 0.5 and out["val/accuracy/s2"] == pytest.approx(2 / 3)
+    assert {k: v for k, v in out.items() if k.startswith("val/accuracy/")} == pytest.approx(groups)
+    assert ("no held-out sample has it" in caplog.text) == (not groups)
+
+
+def test_a_breakdown_key_with_too_many_values_is_refused_with_a_warning(tmp_path, model_dir, caplog):
+    config = write_run_config(tmp_path, model_dir)
+    trainer = Trainer(load_config(config, ["trainer.val_breakdown=kind"]))
+    for i, sample in enumerate(trainer.val_samples):
+        sample.extra_info["kind"] = f"k{i}"
+    import grouprl.trainer.trainer as trainer_module
+
+    trainer_module.MAX_BREAKDOWN_GROUPS, saved = 3, trainer_module.MAX_BREAKDOWN_GROUPS
+    try:
+        trainer._check_breakdown()
+    finally:
+        trainer_module.MAX_BREAKDOWN_GROUPS = saved
+    assert "has 4 values in the held-out data" in caplog.text
+    assert not [k for k in trainer.evaluate() if k.startswith("val/accuracy/")]

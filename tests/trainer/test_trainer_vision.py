@@ -59,10 +59,12 @@ def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, fam
 def test_rl_teaches_a_tiny_vlm_to_read_its_image(tmp_path, family):
     """The reward needs the image: a red image asks for "r", a blue one for "b", half of each in
     training and held out, so a policy that answers alike for both scores at most 0.5 on average.
-    From 0 (the random policy writes neither letter), GRPO must take held-out reward past it."""
+    The held-out images are other shades (never seen in training). From 0 (the random policy
+    writes neither letter), GRPO must take held-out reward past 0.5."""
     trainer = trainer_for(
         tmp_path, family, "rollout.n_agent=8", "actor.optim.lr=1e-2", "trainer.total_steps=80",
         "trainer.test_freq=40", "trainer.save_best=false", "trainer.save_final=false", vision_init_std=0.2,
+        val_colours={"r": (170, 60, 50), "b": (50, 70, 170)},
     )
     summary = trainer.fit()
     assert summary["baseline"] < 0.1

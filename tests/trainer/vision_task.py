@@ -17,7 +17,7 @@ COLOURS = {"r": (220, 20, 20), "b": (20, 20, 220)}
 LETTER_SHARE = "response.count(ground_truth) / max(len(response), 1)"
 
 
-def write_colour_data(root: Path, n: int, prefix: str, size=(56, 56)) -> Path:
+def write_colour_data(root: Path, n: int, prefix: str, size=(56, 56), colours=None) -> Path:
     from PIL import Image
 
     folder = root / "images"
@@ -26,7 +26,7 @@ def write_colour_data(root: Path, n: int, prefix: str, size=(56, 56)) -> Path:
     for i in range(n):
         letter = "rb"[i % 2]
         name = f"{prefix}{i}.png"
-        Image.new("RGB", size, COLOURS[letter]).save(folder / name)
+        Image.new("RGB", size, (colours or COLOURS)[letter]).save(folder / name)
         rows.append({"id": f"{prefix}{i}", "question": "colour?", "answer": letter, "images": [f"images/{name}"]})
     path = root / f"{prefix}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -34,14 +34,19 @@ def write_colour_data(root: Path, n: int, prefix: str, size=(56, 56)) -> Path:
 
 
 def write_vision_run(
-    root: Path, family: str, vision_init_std: float = 0.02, reward: str = LETTER_SHARE, **sections
+    root: Path,
+    family: str,
+    vision_init_std: float = 0.02,
+    reward: str = LETTER_SHARE,
+    val_colours: dict | None = None,
+    **sections,
 ) -> Path:
     """A tiny VLM of `family` saved under root/model, colour data and a config (reward: an
     expression of response and ground_truth); returns the config."""
     root = Path(root)
     tiny_vlm(family, root / "model", init_std=0.02, vision_init_std=vision_init_std)
     train = write_colour_data(root, 8, "t")
-    val = write_colour_data(root, 4, "v")
+    val = write_colour_data(root, 4, "v", colours=val_colours)
     reward = write_reward(root / "reward.py", reward, "score")
     tree = {
         "data": {"train_files": [str(train)], "val_files": [str(val)], "train_batch_size": 2, "max_prompt_length": 128},

@@ -111,6 +111,9 @@ def breakdown_value(sample: Sample, key: str) -> str | None:
     return None if value in (None, "") else str(value)
 
 
+MAX_BREAKDOWN_GROUPS = 50
+
+
 def drop_lines_after(path: Path, step: int) -> None:
     """Keep only the jsonl records of steps <= `step` (atomic rewrite; a torn last line goes too)."""
     if not path.is_file():
@@ -141,6 +144,7 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
         # Everything the user can get wrong in data or rewards fails here, before the model loads.
         self.train_samples, self.val_samples = load_data(cfg)
+        self._check_breakdown()
         self.device = resolve_device(cfg.trainer.device)
         # torchrun / Ray ranks: each holds whole groups of every step (parallel.py)
         self.ranks = Ranks.from_env(self.device.type)
@@ -258,6 +262,21 @@ class Trainer:
         self._resume()
 
     # ------------------------------------------------------------------ set-up helpers
+    def _check_breakdown(self) -> None:
+        """trainer.val_breakdown names a key the held-out samples have, with few values; else a
+        warning, once, and no per-group figures (a typo or an id-like key must not pass silently
+        or flood the metrics)."""
+        key = self.cfg.trainer.val_breakdown
+        values = {breakdown_value(s, key) for s in self.val_samples} - {None}
+        if key and self.val_samples and not values:
+            log.warning("trainer.val_breakdown=%r: no held-out sample has it; no per-group accuracy", key)
+        elif len(values) > MAX_BREAKDOWN_GROUPS:
+            log.warning(
+                "trainer.val_breakdown=%r has %d values in the held-out data (at most %d are logged "
+                "per group); no per-group accuracy", key, len(values), MAX_BREAKDOWN_GROUPS,
+            )
+        self._breakdown = key if values and len(values) <= MAX_BREAKDOWN_GROUPS else ""
+
     def _encode(self, samples: list[Sample], what: str):
         d = self.cfg.data
         prompts: list[list[int] | None] = []
@@ -802,7 +821,7 @@ class Trainer:
             self._keep_eval_images(trajectories)
         self.reward.step_metrics()  # reward-model counters stay the training steps' own
         metric = self.cfg.reward.val_metric
-        key = self.cfg.trainer.val_breakdown
+        key = self._breakdown
         rows = [
             (t.reward if metric == "reward" else t.rewards[metric], t.reward, len(t.response_ids), t.rewards,
              breakdown_value(t.sample, key))
@@ -818,7 +837,9 @@ class Trainer:
         for name in rows[0][3]:
             out[f"val/{name}"] = float(np.nanmean([r[3][name] for r in rows]))
         for value in sorted({r[4] for r in rows if r[4] is not None}):
-            out[f"val/accuracy/{value}"] = float(np.nanmean([r[0] for r in rows if r[4] == value]))
+            scores = [r[0] for r in rows if r[4] == value and not math.isnan(r[0])]
+            if scores:  # a group whose every score failed (NaN) logs nothing
+                out[f"val/accuracy/{value.replace('/', '_')}"] = float(np.mean(scores))
         self.history.append({"step": self.step, **out})
         return out
 

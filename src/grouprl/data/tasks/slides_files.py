@@ -88,7 +88,8 @@ class GoldSearch:
         observation = await self.tool(query, state)
         if observation.error:
             raise RuntimeError(f"gold search for {query!r} failed: {observation.error}")
-        shown = [f"{IMAGES_DIR}/{Path(str(image)).name}" for image in observation.images]
+        # the page's file (the tool shows it as it is, or resized where it bounds pixels)
+        shown = [f"{IMAGES_DIR}/{Path(str(state.current_image)).name}"] if observation.images else []
         return observation.text, [hit["id"] for hit in observation.retrieved], shown
 
 
