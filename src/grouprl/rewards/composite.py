@@ -178,7 +178,11 @@ class CompositeReward:
     """
 
     def __init__(
-        self, components: list[RewardComponent], fallback: float = 0.0, judges: dict[str, Any] | None = None
+        self,
+        components: list[RewardComponent],
+        fallback: float = 0.0,
+        judges: dict[str, Any] | None = None,
+        models: Any = None,
     ) -> None:
         names = [c.name for c in components]
         if not components:
@@ -196,7 +200,7 @@ class CompositeReward:
         self.components = components
         self.fallback = float(fallback)
         self.judges = dict(judges or {})  # judge name -> JudgeClient, closed by close()
-        self.models = None  # the reward-model worker (rewards.models.ModelPool), closed by close()
+        self.models = models  # the reward-model worker (rewards.models.ModelPool), closed by close()
         index = {name: i for i, name in enumerate(names)}
         self._gate_index = [index[c.gate] if c.gate else None for c in components]
         self._stages = [
@@ -259,9 +263,7 @@ class CompositeReward:
                         **extra,
                     )
                 )
-            composite = cls(components, fallback=cfg.fallback, judges=judges)
-            composite.models = pool
-            return composite
+            return cls(components, fallback=cfg.fallback, judges=judges, models=pool)
         except BaseException:
             for judge in judges.values():
                 judge.close()

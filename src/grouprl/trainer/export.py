@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -48,8 +49,6 @@ def export_model(
     try:
         to_save = model
         if merge_lora and hasattr(model, "merge_and_unload"):
-            import copy
-
             to_save = copy.deepcopy(model).merge_and_unload()
         to_save.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -77,8 +76,6 @@ def plain_copy(model, state_dict: dict):
     with torch.device("meta"):  # no memory until the weights are assigned
         fresh = type(base)(base.config)
     if lora:
-        import copy
-
         from peft import get_peft_model
 
         fresh = get_peft_model(fresh, copy.deepcopy(lora[model.active_adapter]))
@@ -86,7 +83,5 @@ def plain_copy(model, state_dict: dict):
     plain = fresh.get_base_model() if lora else fresh
     plain.tie_weights()  # assigned as two parameters
     if getattr(base, "generation_config", None) is not None:  # built from the config, not the file
-        import copy
-
         plain.generation_config = copy.deepcopy(base.generation_config)
     return fresh.eval()

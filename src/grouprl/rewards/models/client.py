@@ -28,6 +28,7 @@ from grouprl.rewards.models.worker import serve
 log = logging.getLogger(__name__)
 
 LINGER_S = 0.01  # how long the first queued item waits for company before a batch goes
+STATS = ("items", "batches", "busy_s", "queue_max")  # per model and step
 
 
 class ModelPool:
@@ -80,11 +81,8 @@ class ModelPool:
         with self._ready:
             stats, self._stats = self._stats, {}
         scorers = [n for n, c in self.configs.items() if c.kind not in DRAWERS]  # every rank: the same keys
-        empty = {"items": 0.0, "batches": 0.0, "busy_s": 0.0, "queue_max": 0.0}
         return {
-            f"reward_model/{name}/{key}": value
-            for name in scorers
-            for key, value in stats.get(name, empty).items()
+            f"reward_model/{name}/{key}": stats.get(name, {}).get(key, 0.0) for name in scorers for key in STATS
         }
 
     def close(self) -> None:
@@ -104,7 +102,7 @@ class ModelPool:
 
     # -------------------------------------------------------------- the dispatcher thread
     def _stats_of(self, name: str) -> dict[str, float]:
-        return self._stats.setdefault(name, {"items": 0.0, "batches": 0.0, "busy_s": 0.0, "queue_max": 0.0})
+        return self._stats.setdefault(name, dict.fromkeys(STATS, 0.0))
 
     def _next_batch(self) -> tuple[str, list] | None:
         with self._ready:
