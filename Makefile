@@ -11,7 +11,7 @@ VLLM_TESTS := $(wildcard tests/*/test_*vllm*.py)
 # CPU build of torch by default; GPU users: make TORCH_INDEX=https://download.pytorch.org/whl/cu128 ...
 TORCH_INDEX ?=
 
-.PHONY: setup setup-vllm train test bench lint clean
+.PHONY: setup setup-vllm train test bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ test: $(STAMP) $(VLLM_STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]"
 	$(PY) benchmarks/vs_trl.py $(ARGS)
+
+# grouprl's GPU paths on this CUDA machine (bf16/fp32, LoRA 4-bit, torchrun, vLLM sleep levels, a VLM);
+# a table goes to benchmarks/RESULTS.md. Build .venv with the CUDA torch first (TORCH_INDEX above).
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

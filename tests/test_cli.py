@@ -59,6 +59,11 @@ def test_dry_run_prints_the_plan_of_the_default_recipe(capsys, no_model_load):
     assert any(line.startswith("  loss: gspo (clip 0.9997..1.0004, seq-mean-token-mean), advantages: grpo") for line in lines)
     assert any("policy: builtin:smollm2-135m-instruct [built-in (SmolLM2-135M-Instruct.Q4_1.gguf" in line for line in lines)
     assert "  reference: none (no KL term)" in lines
+    assert (
+        "  engine-trainer correction: token ratios truncated at 2 wherever the engine's numbers can differ "
+        "from the update's (bf16, vLLM); off in float32 on the built-in engine"
+    ) in lines
+    assert not any("WARNING" in line for line in lines)
     assert "  reward: 1 x correctness + 0.1 x soft_format (streamed per group)" in lines
     assert any(line.startswith("  run: 20 steps, save every 10") for line in lines)
 
@@ -78,6 +83,17 @@ def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path
     assert "reference: base model with adapters disabled (kl_coef=0, kl_loss_coef=0.01)" in out
     assert f"data: {data}\n" in out
     assert f"data: {tmp_path}/gone.jsonl  [WARNING: not found]" in out
+
+
+def test_dry_run_names_the_correction_and_warns_about_gspo_with_token_mean(capsys, no_model_load):
+    _, out, _ = run(
+        capsys, "train", "--dry-run", "algorithm.rollout_is=geometric", "algorithm.rollout_is_mode=mask",
+        "algorithm.rollout_is_cap=1.001", "actor.loss_agg_mode=token-mean",
+    )
+    assert "engine-trainer correction: geometric ratios outside [0.999, 1.001] leave the loss\n" in out
+    assert "WARNING: gspo with token-mean weighs a sequence by its length" in out
+    _, out, _ = run(capsys, "train", "--dry-run", "algorithm.rollout_is=off")
+    assert "engine-trainer correction: off\n" in out
 
 
 def test_explain_lists_settings(capsys, no_model_load):

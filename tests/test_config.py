@@ -240,8 +240,18 @@ def test_missing_config_file(tmp_path):
         (["reward.components=[{name: a}]"], "'reward.val_metric' must be 'reward' or a component name (a)"),
         (["reward.components=[]"], "must name at least one reward"),
         (["trainer.total_steps=0", "trainer.total_epochs=0"], "'trainer.total_epochs' must be >= 1"),
-        (["algorithm.rollout_is=token"], "'algorithm.rollout_is' needs an engine with its own copy of the weights"),
+        (["algorithm.rollout_is=tokens"], "'algorithm.rollout_is' must be one of"),
         (["rollout.engine=vllm", "algorithm.rollout_is_cap=0"], "'algorithm.rollout_is_cap' must be > 0"),
+        (["algorithm.rollout_is_lower=3"], "'algorithm.rollout_is_lower' must be in [0, algorithm.rollout_is_cap)"),
+        (
+            ["algorithm.rollout_is_mode=mask", "algorithm.rollout_is_cap=0.9"],
+            "'algorithm.rollout_is_cap' must be > 1 and 'algorithm.rollout_is_lower' < 1 with rollout_is_mode=mask",
+        ),
+        (["actor.loss_scale_factor=-1"], "'actor.loss_scale_factor' must be >= 0"),
+        (
+            ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
+            "'rollout.tensor_parallel_size' must be 1: the vllm engine runs in the trainer's process",
+        ),
         (["rollout.engine=vllm", "rollout.sleep_level=3"], "'rollout.sleep_level' must be 0, 1 or 2"),
         (["rollout.gpu_memory_utilization=1.5"], "'rollout.gpu_memory_utilization' must be in (0, 1]"),
         (["rollout.engine=sglang"], "'rollout.engine' must be one of 'hf', 'vllm'"),
@@ -335,3 +345,8 @@ def test_explain_lists_every_setting_with_its_doc():
     assert sorted(settings) == sorted(expected)
     assert "reward.components[].function" in settings and "actor.optim.lr" in settings
     assert "actor.optim.lr = 1e-06  # Peak learning rate" in "\n".join(lines)
+
+
+def test_a_bare_off_means_the_setting_off_not_false():
+    """YAML reads `off` as false; a setting whose choices include "off" takes it as "off"."""
+    assert load_config(None, ["algorithm.rollout_is=off"]).algorithm.rollout_is == "off"

@@ -47,6 +47,22 @@ def _load(items: list[str]):
     return load_config(path or DEFAULT_RECIPE, overrides)
 
 
+def describe_correction(cfg) -> str:
+    """The importance correction of engine samples, in words (auto resolves on the device)."""
+    a = cfg.algorithm
+    if a.rollout_is == "off":
+        return "off"
+    level = "token" if a.rollout_is == "auto" else a.rollout_is
+    if a.rollout_is_mode == "truncate":
+        how = f"{level} ratios truncated at {a.rollout_is_cap:g}"
+    else:
+        lower = a.rollout_is_lower or 1 / a.rollout_is_cap
+        how = f"{level} ratios outside [{lower:.4g}, {a.rollout_is_cap:g}] leave the loss"
+    if a.rollout_is != "auto":
+        return how
+    return how + " wherever the engine's numbers can differ from the update's (bf16, vLLM); off in float32 on the built-in engine"
+
+
 def describe_plan(cfg) -> list[str]:
     """What a run would do, without loading a model."""
     from grouprl.trainer.models import BUILTIN_MODELS
@@ -73,6 +89,9 @@ def describe_plan(cfg) -> list[str]:
         f"lengths: prompt <= {cfg.data.max_prompt_length} ({cfg.data.prompt_overflow}), response <= "
         f"{cfg.rollout.max_response_length} tokens",
     ]
+    lines.append(f"engine-trainer correction: {describe_correction(cfg)}")
+    if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
+        lines.append("WARNING: gspo with token-mean weighs a sequence by its length (GSPO's own is seq-mean-token-mean)")
     path = cfg.model.path
     if path.startswith("builtin:"):
         where = f"built-in ({BUILTIN_MODELS.get(path.split(':', 1)[1], ('?', '?'))[1]} from a PyPI package)"

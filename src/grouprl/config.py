@@ -124,7 +124,7 @@ class RolloutConfig:
     share_prompt_prefill: bool = True
     """Prefill each group's prompt once and expand its KV cache to the n_agent samples."""
     check_log_probs: bool = False
-    """hf engine: record each sampled token's log-prob and log how far the update's are from them (rollout/mismatch_*): a check that training sees what generation saw."""
+    """Record each sampled token's log-prob and log how far the update's are from them (rollout/mismatch_*) also where the engine computes the trainer's own numbers (float32 on the built-in engine): a check that training sees what generation saw. Wherever they can differ (bf16, vLLM) they are recorded anyway."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -135,8 +135,8 @@ class RolloutConfig:
     """vllm: KV-cache budget in GiB, instead of what gpu_memory_utilization leaves (0 = from the share)."""
     tensor_parallel_size: int = 1
     """vllm: devices one engine shards the model over."""
-    sleep_level: int = 1
-    """vllm on CUDA: between rollouts free the KV cache and offload weights (1), or discard weights too (2: the next push brings them); 0 = stay awake."""
+    sleep_level: int = 2
+    """vllm on CUDA: between rollouts (never inside one) free the KV cache and discard the weights (2: the push at the next wake brings the policy's), or offload the weights to host memory (1: a host copy of the model, brought back at each wake); 0 = stay awake."""
     enforce_eager: bool = False
     """vllm: run eagerly instead of with captured graphs (slower decoding, faster start-up)."""
     max_model_len: int = 0
@@ -498,10 +498,14 @@ class AlgorithmConfig:
     """KL estimator for the reward penalty: k1, abs, k2, k3."""
     ref_refresh_steps: int = 0
     """Copy the policy into the reference model every N steps (0 = never)."""
-    rollout_is: Literal["off", "token", "sequence"] = "off"
-    """Truncated importance sampling of engine samples: weight each token's loss by min(pi_old / pi_rollout, cap), per token or per sequence."""
+    rollout_is: Literal["auto", "off", "token", "sequence", "geometric"] = "auto"
+    """Importance correction of engine samples by pi_old / pi_rollout: per token, per sequence (the product) or geometric (the per-token mean, per sequence); auto = token wherever the engine's numbers can differ from the trainer's (bf16/fp16 generation or update, bf16 weights, vLLM), off where they cannot (everything float32 on the built-in engine)."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: weight the loss by min(ratio, rollout_is_cap) (TIS); mask: tokens or sequences whose ratio leaves [rollout_is_lower, rollout_is_cap] leave the loss and its denominator, the rest are weighted by their ratio."""
     rollout_is_cap: float = 2.0
-    """Cap of the rollout importance weight (verl: rollout_is_threshold)."""
+    """Upper bound of the importance ratio: the cap (truncate) or the upper edge kept (mask) (verl: rollout_is_threshold)."""
+    rollout_is_lower: float = 0.0
+    """mask mode: the lower edge kept; 0 = 1 / rollout_is_cap (verl: rollout_rs_threshold_lower)."""
     mismatch_threshold: float = 0.1
     """Engine-vs-trainer log-prob difference above which a token counts in rollout/mismatch_above_threshold."""
 
@@ -540,6 +544,8 @@ class ActorConfig:
     """PPO dual-clip bound for negative advantages (None = off; verl: clip_ratio_c)."""
     loss_agg_mode: str = "seq-mean-token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    loss_scale_factor: int = 0
+    """seq-mean-token-sum-norm: the constant the token sum is divided by; 0 = the configured response length (rollout.max_response_length; for agents agent.max_response_tokens, else agent.max_turns x rollout.max_response_length)."""
     ppo_epochs: int = 1
     """Passes over each step's batch (verl: actor.ppo_epochs)."""
     mini_batch_size: int = 0
@@ -830,6 +836,10 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tensor_parallel_size",
     "actor_rollout_ref.rollout.enforce_eager": "rollout.enforce_eager",
     "algorithm.rollout_is_threshold": "algorithm.rollout_is_cap",
+    "algorithm.rollout_correction.rollout_is": "algorithm.rollout_is",
+    "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_cap",
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": "algorithm.rollout_is_lower",
+    "actor_rollout_ref.actor.loss_scale_factor": "actor.loss_scale_factor",
     "trainer.save_freq": "trainer.save_freq",
     "trainer.test_freq": "trainer.test_freq",
     "trainer.resume_mode": "trainer.resume_mode",
@@ -913,6 +923,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be a mapping of settings, got {value!r}")
         return _build(tp, value, key + ".")
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if value is False else "on") in typing.get_args(tp):
+            value = "off" if value is False else "on"  # YAML reads a bare off / on as a bool
         if value not in typing.get_args(tp):
             raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
         return value
@@ -1088,10 +1100,17 @@ def validate(cfg: Config) -> Config:
     )
     need(cfg.algorithm.rollout_is_cap > 0, "config key 'algorithm.rollout_is_cap' must be > 0")
     need(
-        cfg.algorithm.rollout_is == "off" or cfg.rollout.engine != "hf",
-        "config key 'algorithm.rollout_is' needs an engine with its own copy of the weights (rollout.engine=vllm); "
-        "the hf engine samples from the trainer's model itself",
+        0 <= cfg.algorithm.rollout_is_lower < cfg.algorithm.rollout_is_cap,
+        "config key 'algorithm.rollout_is_lower' must be in [0, algorithm.rollout_is_cap) (0 = 1 / rollout_is_cap)",
     )
+    need(
+        cfg.algorithm.rollout_is_mode != "mask" or cfg.algorithm.rollout_is_cap > 1 > (
+            cfg.algorithm.rollout_is_lower or 1 / cfg.algorithm.rollout_is_cap
+        ),
+        "config key 'algorithm.rollout_is_cap' must be > 1 and 'algorithm.rollout_is_lower' < 1 with "
+        "rollout_is_mode=mask (a band around ratio 1; otherwise even exact samples leave the loss)",
+    )
+    need(cfg.actor.loss_scale_factor >= 0, "config key 'actor.loss_scale_factor' must be >= 0 (0 = the response length)")
     need(cfg.rollout.sleep_level in (0, 1, 2), "config key 'rollout.sleep_level' must be 0, 1 or 2")
     need(
         0 < cfg.rollout.gpu_memory_utilization <= 1,
@@ -1099,6 +1118,11 @@ def validate(cfg: Config) -> Config:
     )
     need(cfg.rollout.kv_cache_gb >= 0, "config key 'rollout.kv_cache_gb' must be >= 0 (0 = from the share)")
     need(cfg.rollout.tensor_parallel_size >= 1, "config key 'rollout.tensor_parallel_size' must be >= 1")
+    need(
+        cfg.rollout.tensor_parallel_size == 1 or cfg.rollout.engine != "vllm",
+        "config key 'rollout.tensor_parallel_size' must be 1: the vllm engine runs in the trainer's process, "
+        "and tensor-parallel workers would be other processes, out of reach of the in-place weight push",
+    )
     need(cfg.rollout.max_model_len >= 0, "config key 'rollout.max_model_len' must be >= 0 (0 = the model's)")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")

@@ -32,9 +32,12 @@ def test_public_api_is_exactly_the_documented_names():
             "AGG_MODES",
             "KL_ESTIMATORS",
             "ROLLOUT_CORRECTIONS",
+            "ROLLOUT_CORRECTION_MODES",
             "available",
+            "rollout_correction",
             "rollout_is_weights",
             "logprob_mismatch",
+            "turn_index",
         ]
     )
     for name in algorithms.__all__:
@@ -57,7 +60,8 @@ def test_registered_names():
     assert sorted(POLICY_LOSSES) == available("policy_loss")
     assert sorted(AGG_MODES) == available("agg_mode")
     assert sorted(KL_ESTIMATORS) == available("kl_estimator")
-    assert available("rollout_correction") == ["sequence", "token"]
+    assert available("rollout_correction") == ["geometric", "sequence", "token"]
+    assert available("rollout_correction_mode") == ["mask", "truncate"]
     # verl's aliases resolve to the same function
     assert KL_ESTIMATORS["kl"] is KL_ESTIMATORS["k1"]
     assert KL_ESTIMATORS["mse"] is KL_ESTIMATORS["k2"]

@@ -17,13 +17,20 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
 
 
-class EngineSettings:  # the rollout config's vLLM fields
+class EngineSettings:  # the rollout config's vLLM fields and the training sampling settings
     gpu_memory_utilization = 0.5
     kv_cache_gb = 0.25
     tensor_parallel_size = 1
     sleep_level = 1
     enforce_eager = True
     max_model_len = 256
+    temperature = 1.0
+    top_k = 0
+    top_p = 1.0
+
+
+class TruncatingSettings(EngineSettings):  # top-p at temperature 1: vLLM's raw log-probs
+    top_p = 0.8
 
 
 @pytest.fixture(scope="module")
@@ -67,27 +74,30 @@ def test_after_a_push_greedy_decoding_equals_the_hf_engine(engine, seed):
     assert [g.text for g in got] == [w.text for w in want]
 
 
+def sampled_and_trainer_log_probs(engine, params, seed):
+    """(vLLM's log-probs, the trainer's at params.temperature, mask) of 2 prompts x 4 samples."""
+    model, tokenizer = fresh_model(seed)
+    engine.weights_updated(model)
+    prompts = prompts_of(tokenizer, ["abc", "the cat"])
+    generations = engine.generate(prompts, 4, params, torch.Generator().manual_seed(0))
+    width = max(len(g.token_ids) for g in generations)
+    response = torch.zeros((len(generations), width), dtype=torch.long)
+    mask = torch.zeros((len(generations), width), dtype=torch.long)
+    engine_lp = torch.zeros((len(generations), width), dtype=torch.float64)
+    for i, g in enumerate(generations):
+        response[i, : len(g.token_ids)] = torch.tensor(g.token_ids)
+        mask[i, : len(g.token_ids)] = 1
+        engine_lp[i, : len(g.log_probs)] = torch.tensor(g.log_probs, dtype=torch.float64)
+    with torch.no_grad():
+        trainer_lp, _ = reference_log_probs(model, [p for p in prompts for _ in range(4)], response, mask, params.temperature)
+    return engine_lp, trainer_lp, mask.bool()
+
+
 def test_sampled_log_probs_match_the_trainers(engine):
     """Temperature 0.7: vLLM reports log softmax(logits / 0.7) of each sampled token, which is
     what the trainer computes for the loss."""
-    model, tokenizer = fresh_model(3)
-    engine.weights_updated(model)
-    prompts = prompts_of(tokenizer, ["abc", "the cat"])
-    params = SamplingParams(max_new_tokens=10, temperature=0.7)
-    generations = engine.generate(prompts, 4, params, torch.Generator().manual_seed(0))
-    rows = [(p, g) for p in prompts for g in generations[prompts.index(p) * 4 : prompts.index(p) * 4 + 4]]
-    width = max(len(g.token_ids) for _, g in rows)
-    response = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (_, g) in enumerate(rows):
-        response[i, : len(g.token_ids)] = torch.tensor(g.token_ids)
-        mask[i, : len(g.token_ids)] = 1
-    with torch.no_grad():
-        trainer_lp, _ = reference_log_probs(model, [p for p, _ in rows], response, mask, 0.7)
-    engine_lp = torch.zeros_like(trainer_lp)
-    for i, (_, g) in enumerate(rows):
-        engine_lp[i, : len(g.log_probs)] = torch.tensor(g.log_probs, dtype=engine_lp.dtype)
-    diff = (trainer_lp - engine_lp)[mask.bool()].abs()
+    engine_lp, trainer_lp, mask = sampled_and_trainer_log_probs(engine, SamplingParams(max_new_tokens=10, temperature=0.7), 3)
+    diff = (trainer_lp - engine_lp)[mask].abs()
     assert diff.numel() == int(mask.sum()) > 0
     assert diff.max() < 1e-4, diff.max()
 
@@ -157,6 +167,25 @@ def test_a_session_feeds_whole_conversations_with_the_same_turns_as_hf(engine):
         second = session.generate([0, 3], prompts_of(tokenizer, ["!?", "ok"]), params)
         turns.append(([g.token_ids for g in first], [g.token_ids for g in second]))
     assert turns[0] == turns[1]
+
+
+def test_with_top_p_at_temperature_1_the_log_probs_are_the_untruncated_ones(engine, folder):
+    """Top-p 0.8: the engine started for it takes vLLM's raw log-probs, the whole distribution's,
+    which the trainer computes; the processed ones (of the engine started without truncation)
+    are the kept tokens' renormalised log-probs, above the trainer's by -log(kept mass)."""
+    from grouprl.rollout.engines.vllm import VLLMEngine
+
+    # in-process engines share vLLM's parallel groups, which an engine's shutdown tears down:
+    # tests starting an engine of their own come after the module engine's last other use
+    model, tokenizer = tiny_model_and_tokenizer(init_std=0.2, **TINY)
+    raw = VLLMEngine(model, tokenizer, str(folder), TruncatingSettings, seed=0, max_model_len=256)
+    assert raw.logprobs_mode == "raw_logprobs" and engine.logprobs_mode == "processed_logprobs"
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.8)
+    engine_lp, trainer_lp, mask = sampled_and_trainer_log_probs(raw, params, 9)
+    assert (trainer_lp - engine_lp)[mask].abs().max() < 1e-4
+    engine_lp, trainer_lp, mask = sampled_and_trainer_log_probs(engine, params, 9)
+    above = (engine_lp - trainer_lp)[mask]
+    assert above.min() > -1e-4 and above.max() > 1e-2  # the truncation, not the numbers
 
 
 def test_an_agent_episode_on_vllm_has_the_hf_engines_tokens_and_masks(tmp_path):

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from grouprl.algorithms import AGG_MODES, aggregate_loss, kl_estimate, policy_loss, rollout_is_weights
+from grouprl.algorithms import AGG_MODES, aggregate_loss, kl_estimate, policy_loss, rollout_correction
 from grouprl.config import ActorConfig, OptimConfig
 from grouprl.data.sample import Sample
 from grouprl.rollout.trajectory import Trajectory
@@ -119,9 +119,10 @@ def accumulated_grads(model, tensors, cfg, num_prompts=2, **updater_args):
     return optimizer.steps, metrics
 
 
-def hand_built_loss(model, tensors, cfg, rows=None, rollout_is=None):
-    """`rollout_is`: (level, cap) of truncated importance weights against
-    `tensors.rollout_log_probs`, from the old log-probs (the detached current ones if none)."""
+def hand_built_loss(model, tensors, cfg, rows=None, rollout_is=None, norm_length=None):
+    """`rollout_is`: (level, cap) of truncated importance weights, or (level, cap, "mask") of
+    masking, against `tensors.rollout_log_probs`, from the old log-probs (the detached current
+    ones if none); masking takes what leaves [1 / cap, cap] out of the loss mask itself."""
     rows = list(range(len(tensors.prompt_ids))) if rows is None else rows
     batch = tensors.rows(rows)
     lp, ent = reference_log_probs(
@@ -131,8 +132,15 @@ def hand_built_loss(model, tensors, cfg, rows=None, rollout_is=None):
     old = tensors.old_log_probs[rows].double() if tensors.old_log_probs is not None else lp.detach()
     weights = None
     if rollout_is is not None:
-        level, cap = rollout_is
-        weights, _ = rollout_is_weights(level, old, tensors.rollout_log_probs[rows].double(), mask, cap=cap)
+        level, cap, mode = (*rollout_is, "truncate")[:3]
+        weights, keep, _ = rollout_correction(
+            level, "mask" if mode == "zero-weight" else mode, old, tensors.rollout_log_probs[rows].double(),
+            mask, upper=cap,
+        )
+        if mode == "zero-weight":  # the rejected keep a zero weight but stay in the mask (a wrong masking)
+            weights = weights * keep
+        else:
+            mask = mask * keep
     loss, _ = policy_loss(
         cfg.policy_loss,
         lp,
@@ -144,17 +152,19 @@ def hand_built_loss(model, tensors, cfg, rows=None, rollout_is=None):
         dual_clip=cfg.dual_clip,
         agg_mode=cfg.loss_agg_mode,
         token_weights=weights,
+        norm_length=norm_length,
     )
-    loss = loss - cfg.entropy_coef * aggregate_loss(ent, mask, cfg.loss_agg_mode)
+    loss = loss - cfg.entropy_coef * aggregate_loss(ent, mask, cfg.loss_agg_mode, norm_length=norm_length)
     if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
         kl = kl_estimate(lp, tensors.ref_log_probs[rows].double(), cfg.kl_loss_type)
-        loss = loss + cfg.kl_loss_coef * aggregate_loss(kl, mask, cfg.loss_agg_mode)
+        loss = loss + cfg.kl_loss_coef * aggregate_loss(kl, mask, cfg.loss_agg_mode, norm_length=norm_length)
     return loss
 
 
-def hand_built_grads(model, tensors, cfg, rows=None, rollout_is=None):
+def hand_built_grads(model, tensors, cfg, rows=None, rollout_is=None, norm_length=None):
     params = [p for p in model.parameters() if p.requires_grad]
-    return list(torch.autograd.grad(hand_built_loss(model, tensors, cfg, rows, rollout_is), params))
+    loss = hand_built_loss(model, tensors, cfg, rows, rollout_is, norm_length)
+    return list(torch.autograd.grad(loss, params))
 
 
 def assert_grads_close(actual, expected, rtol):
@@ -534,7 +544,7 @@ def test_prompts_sharing_an_opening_run_it_once_with_the_same_gradient(model, mi
     assert max_relative_difference(off[0], steps[0]) < 1e-8
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("on_policy", [True, False])
 def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_policy):
     """An engine's samples (rollout log-probs 0.2-ish away from the trainer's): each token's
@@ -551,9 +561,10 @@ def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_pol
     if on_policy:
         step.old_log_probs = None
     cfg = actor_config(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05)
-    cap = 1.1
-    weights, metrics = rollout_is_weights(
-        level, lp if on_policy else step.old_log_probs.double(), step.rollout_log_probs.double(), step.loss_mask, cap=cap
+    cap = {"token": 1.1, "sequence": 1.1, "geometric": 1.02}[level]
+    weights, _, metrics = rollout_correction(
+        level, "truncate", lp if on_policy else step.old_log_probs.double(), step.rollout_log_probs.double(),
+        step.loss_mask, upper=cap,
     )
     assert 0.1 < metrics["capped_frac"] < 0.9  # some weights capped, some not: both branches act
     expected = hand_built_grads(model, step, cfg, rollout_is=(level, cap))
@@ -571,3 +582,77 @@ def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_pol
             torch.testing.assert_close(run.old_log_probs[real].double(), lp[real], rtol=0, atol=1e-6)
         else:
             assert run.old_log_probs is step.old_log_probs
+
+
+@pytest.mark.parametrize("level, cap", [("token", 1.15), ("sequence", 1.5), ("geometric", 1.06)])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_importance_masking_takes_samples_out_of_the_loss_and_its_denominator(model, tensors, level, cap, mode):
+    """Mask mode: tokens (token level) or whole sequences whose ratio pi_old / pi_rollout leaves
+    [1 / cap, cap] leave the loss mask before the update, so the mini-batch's token count (or
+    sequence count) no longer counts them; the rest are weighted by their ratio. The gradient
+    equals the hand-built loss over the kept mask, whatever the micro-batch size; a zero weight
+    that leaves them counted in the denominator gives another gradient."""
+    step = copy.copy(tensors)  # old log-probs given (mask mode needs them before the update)
+    gen = torch.Generator().manual_seed(17)
+    real = step.response_mask.bool()
+    step.rollout_log_probs = torch.where(
+        real, step.old_log_probs + 0.2 * torch.randn(step.old_log_probs.shape, generator=gen), 0.0
+    )
+    cfg = actor_config(loss_agg_mode=mode, entropy_coef=0.05)
+    _, keep, metrics = rollout_correction(
+        level, "mask", step.old_log_probs.double(), step.rollout_log_probs.double(), step.loss_mask, upper=cap
+    )
+    assert 0.1 < metrics["masked_frac"] < 0.9  # some samples leave, some stay: both branches act
+    if level != "token":
+        assert ((keep * step.loss_mask).sum(-1) == 0).any()  # a whole sequence left: fewer rows
+    expected = hand_built_grads(model, step, cfg, rollout_is=(level, cap, "mask"))
+    zero_weight_only = hand_built_grads(model, step, cfg, rollout_is=(level, cap, "zero-weight"))
+    assert max_relative_difference(expected, zero_weight_only) > 1e-2
+    for micro in (1, 3, N_ROWS):
+        run = copy.copy(step)
+        updater = PolicyUpdater(
+            actor_config(**{**cfg.__dict__, "micro_batch_size": micro}), temperature=TEMPERATURE, pad_token_id=0,
+            rollout_is=level, rollout_is_mode="mask", rollout_is_cap=cap,
+        )
+        assert updater.needs_old_log_probs(2, run)  # masking decides before the update
+        updater.reject(run)
+        assert torch.equal(run.policy_mask, step.loss_mask)  # the mask as sampled, for the metrics
+        torch.testing.assert_close(run.loss_mask, step.loss_mask * keep.float())
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = GradRecorder(params)
+        updater.update(model, optimizer, CountingScheduler(), run, 2, params)
+        model.eval()
+        assert_grads_close(optimizer.steps[0], expected, 1e-6)
+
+
+def test_importance_masking_needs_the_rejection_before_the_update(model, tensors):
+    step = copy.copy(tensors)
+    step.rollout_log_probs = step.old_log_probs.clone()
+    updater = PolicyUpdater(actor_config(), temperature=TEMPERATURE, pad_token_id=0, rollout_is="token",
+                            rollout_is_mode="mask", rollout_is_cap=1.5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match="reject"):
+        updater.update(model, GradRecorder(params), CountingScheduler(), step, 2, params)
+    model.eval()
+
+
+def test_sum_norm_divides_by_the_configured_length_whatever_the_batch_width(model, tensors):
+    """seq-mean-token-sum-norm with a constant: the gradient is the token sum / the constant,
+    and padding the batch wider (a longer response elsewhere) does not change it."""
+    cfg = actor_config(loss_agg_mode="seq-mean-token-sum-norm", entropy_coef=0.05)
+    expected = hand_built_grads(model, tensors, cfg, norm_length=40.0)
+    by_width = hand_built_grads(model, tensors, cfg)  # / the padded width 6
+    assert max_relative_difference(expected, by_width) > 1e-2
+    for micro in (1, N_ROWS):
+        steps, _ = accumulated_grads(
+            model, tensors, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}), norm_length=40.0
+        )
+        assert_grads_close(steps[0], expected, 1e-8)
+    wide = copy.copy(tensors)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 4))  # noqa: E731
+    wide.response_ids, wide.response_mask, wide.loss_mask = (
+        pad(tensors.response_ids), pad(tensors.response_mask), pad(tensors.loss_mask)
+    )
+    wide.old_log_probs, wide.ref_log_probs = pad(tensors.old_log_probs), pad(tensors.ref_log_probs)
+    steps, _ = accumulated_grads(model, wide, cfg, norm_length=40.0)
+    assert_grads_close(steps[0], expected, 1e-8)

@@ -6,18 +6,26 @@ registered by name in `registry` (plain dicts); callers pick one by name and an 
 name raises ValueError listing the allowed names (`available(kind)` gives them).
 """
 
-from .api import aggregate_loss, compute_advantages, kl_estimate, policy_loss, rollout_is_weights
+from .api import (
+    aggregate_loss,
+    compute_advantages,
+    kl_estimate,
+    policy_loss,
+    rollout_correction,
+    rollout_is_weights,
+)
 from .entropy import entropy_from_logits
 from .registry import (
     ADVANTAGE_ESTIMATORS,
     AGG_MODES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    ROLLOUT_CORRECTION_MODES,
     ROLLOUT_CORRECTIONS,
     available,
 )
 from .returns import discounted_returns
-from .rollout_correction import logprob_mismatch
+from .rollout_correction import logprob_mismatch, turn_index
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -25,6 +33,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTIONS",
+    "ROLLOUT_CORRECTION_MODES",
     "aggregate_loss",
     "available",
     "compute_advantages",
@@ -33,5 +42,7 @@ __all__ = [
     "kl_estimate",
     "logprob_mismatch",
     "policy_loss",
+    "rollout_correction",
     "rollout_is_weights",
+    "turn_index",
 ]

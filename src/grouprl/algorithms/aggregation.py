@@ -7,7 +7,8 @@ The choice of reduction is a real algorithmic choice, not bookkeeping:
                             (original GRPO, arXiv 2402.03300; recommended for GSPO,
                             arXiv 2507.18071).
   * seq-mean-token-sum      per-sequence token *sum*, averaged over sequences.
-  * seq-mean-token-sum-norm total token sum divided by a constant (the padded length T),
+  * seq-mean-token-sum-norm total token sum divided by a constant (the configured response
+                            length; the padded length T when none is given),
                             Dr. GRPO's length-unbiased form (arXiv 2503.20783).
 
 All functions take loss_mat [N, T] and loss_mask [N, T] (bool or float) and return a
@@ -46,11 +47,16 @@ def seq_mean_token_sum(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch
     return seq_losses.sum() / safe_count(non_empty.sum())
 
 
-def seq_mean_token_sum_norm(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    # L = sum_{i,t} m_it * l_it / T ,  T = loss_mask.shape[-1] (the padded length).
-    # Exactly verl's default: it divides by T only, NOT by the number of sequences, so
-    # the scale of the loss grows with the batch size. A constant divisor keeps the
-    # gradient free of the length bias Dr. GRPO (arXiv 2503.20783) points out.
+def seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, norm_length: float | None = None
+) -> torch.Tensor:
+    # L = sum_{i,t} m_it * l_it / C ,  C = `norm_length`, a constant: the configured response
+    # length (verl pads every response to it, so its loss_mask.shape[-1] is that constant).
+    # Without it, C = T = loss_mask.shape[-1], the padded length of this batch.
+    # It divides by C only, NOT by the number of sequences (verl's default), so the scale of
+    # the loss grows with the batch size. A constant divisor keeps the gradient free of the
+    # length bias Dr. GRPO (arXiv 2503.20783) points out; a batch's longest response is not a
+    # constant (the effective learning rate would move with it).
     mask = as_float_mask(loss_mask, loss_mat)  # [N, T]
-    padded_length = max(int(loss_mask.shape[-1]), 1)
-    return masked_sum(loss_mat, mask) / padded_length
+    divisor = norm_length if norm_length is not None else max(int(loss_mask.shape[-1]), 1)
+    return masked_sum(loss_mat, mask) / divisor

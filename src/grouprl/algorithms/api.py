@@ -34,9 +34,23 @@ def compute_advantages(
     return fn(rewards.detach(), group_index, norm_by_std=norm_by_std, epsilon=epsilon)
 
 
-def aggregate_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce loss_mat [N, T] under loss_mask [N, T] to a scalar with aggregation `mode`."""
+def _reducer(mode: str, norm_length: float | None):
+    """The aggregation `mode` as fn(loss_mat, loss_mask); `norm_length` is the constant that
+    seq-mean-token-sum-norm divides by (None: the padded length)."""
     fn = lookup("agg_mode", mode)
+    if norm_length is not None and mode == "seq-mean-token-sum-norm":
+        if not norm_length > 0:
+            raise ValueError(f"norm_length must be > 0, got {norm_length}")
+        return lambda loss_mat, loss_mask: fn(loss_mat, loss_mask, norm_length=norm_length)
+    return fn
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str, *, norm_length: float | None = None
+) -> torch.Tensor:
+    """Reduce loss_mat [N, T] under loss_mask [N, T] to a scalar with aggregation `mode`
+    (`norm_length`: seq-mean-token-sum-norm's constant divisor; None = the padded length T)."""
+    fn = _reducer(mode, norm_length)
     if loss_mat.shape != loss_mask.shape:
         raise ValueError(
             f"loss_mat shape {tuple(loss_mat.shape)} != loss_mask shape {tuple(loss_mask.shape)}"
@@ -56,6 +70,7 @@ def policy_loss(
     dual_clip: float | None = 3.0,
     agg_mode: str,
     token_weights: torch.Tensor | None = None,
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss `mode` ("ppo" | "gspo"), reduced with `agg_mode`.
 
@@ -63,10 +78,11 @@ def policy_loss(
     broadcast over tokens) or [N, T]. `token_weights` [N, T] (constants, e.g. rollout
     importance weights from `rollout_is_weights`) multiply the per-token losses before the
     reduction. Returns (scalar loss, metrics as python floats: "clipfrac", "clipfrac_lower",
-    "ppo_kl"). `dual_clip` applies to "ppo" only.
+    "ppo_kl"). `dual_clip` applies to "ppo" only; `norm_length` is seq-mean-token-sum-norm's
+    constant divisor (None: the padded length).
     """
     token_losses = lookup("policy_loss", mode)
-    reduce = lookup("agg_mode", agg_mode)
+    reduce = _reducer(agg_mode, norm_length)
     if log_probs.dim() != 2:
         raise ValueError(f"log_probs must be [N, T], got shape {tuple(log_probs.shape)}")
     for name, tensor in (("old_log_probs", old_log_probs), ("loss_mask", loss_mask)):
@@ -105,6 +121,42 @@ def policy_loss(
     return loss, {name: float(value) for name, value in metrics.items()}
 
 
+def rollout_correction(
+    level: str,
+    mode: str,
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    upper: float,
+    lower: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Importance correction of engine samples (see rollout_correction.py): the ratio
+    pi_old / pi_rollout at `level` ("token" | "sequence" | "geometric"), in `mode` ("truncate":
+    weights min(w, upper); "mask": what leaves [lower, upper] leaves the loss, the rest keeps
+    weight w; `lower` defaults to 1 / upper). Returns (weights [N, T], keep [N, T]: multiply the
+    loss mask by it, metrics as python floats: "mean", "ess", and "capped_frac" (truncate) or
+    "masked_frac", "masked_seq_frac" (mask))."""
+    log_ratio_of = lookup("rollout_correction", level)
+    apply = lookup("rollout_correction_mode", mode)
+    for name, tensor in (("rollout_log_probs", rollout_log_probs), ("loss_mask", loss_mask)):
+        if tensor.shape != old_log_probs.shape:
+            raise ValueError(
+                f"{name} shape {tuple(tensor.shape)} != old_log_probs shape {tuple(old_log_probs.shape)}"
+            )
+    if not upper > 0:
+        raise ValueError(f"upper bound must be > 0, got {upper}")
+    if mode == "mask":  # truncation has no lower edge
+        lower = 1.0 / upper if lower is None else lower
+        if not 0 <= lower < upper:
+            raise ValueError(f"lower bound must be in [0, upper={upper}), got {lower}")
+    else:
+        lower = 0.0
+    log_ratio = log_ratio_of(old_log_probs, rollout_log_probs, loss_mask)  # [N, T]
+    weights, keep, metrics = apply(log_ratio, loss_mask, upper=upper, lower=lower, per_sequence=level != "token")
+    return weights, keep, {name: float(value) for name, value in metrics.items()}
+
+
 def rollout_is_weights(
     level: str,
     old_log_probs: torch.Tensor,
@@ -113,18 +165,14 @@ def rollout_is_weights(
     *,
     cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights [N, T] of engine samples (see rollout_correction.py) at
-    `level` ("token" | "sequence"), capped at `cap`; metrics "mean", "capped_frac"."""
-    fn = lookup("rollout_correction", level)
-    for name, tensor in (("rollout_log_probs", rollout_log_probs), ("loss_mask", loss_mask)):
-        if tensor.shape != old_log_probs.shape:
-            raise ValueError(
-                f"{name} shape {tuple(tensor.shape)} != old_log_probs shape {tuple(old_log_probs.shape)}"
-            )
+    """Truncated importance weights [N, T] of engine samples at `level`, capped at `cap`
+    (`rollout_correction` in truncate mode); metrics "mean", "capped_frac", "ess"."""
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    weights, metrics = fn(old_log_probs, rollout_log_probs, loss_mask, cap=cap)
-    return weights, {name: float(value) for name, value in metrics.items()}
+    weights, _, metrics = rollout_correction(
+        level, "truncate", old_log_probs, rollout_log_probs, loss_mask, upper=cap
+    )
+    return weights, metrics
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:

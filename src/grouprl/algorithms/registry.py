@@ -50,11 +50,18 @@ KL_ESTIMATORS: dict[str, Callable] = {
     "low_var_kl+": kl.kl_k3_plus,
 }
 
-# name -> fn(old_log_probs [N, T], rollout_log_probs [N, T], loss_mask [N, T], *, cap)
-#         -> (weights [N, T], metrics); truncated importance sampling of engine samples
+# Importance correction of engine samples (rollout_correction.py).
+# level -> fn(old_log_probs [N, T], rollout_log_probs [N, T], loss_mask [N, T]) -> log-ratio [N, T]
 ROLLOUT_CORRECTIONS: dict[str, Callable] = {
-    "token": rollout_correction.token_is_weights,
-    "sequence": rollout_correction.sequence_is_weights,
+    "token": rollout_correction.token_log_ratio,
+    "sequence": rollout_correction.sequence_log_ratio,
+    "geometric": rollout_correction.geometric_log_ratio,
+}
+# mode -> fn(log_ratio [N, T], loss_mask [N, T], *, upper, lower, per_sequence)
+#         -> (weights [N, T], keep [N, T], metrics)
+ROLLOUT_CORRECTION_MODES: dict[str, Callable] = {
+    "truncate": rollout_correction.truncate,
+    "mask": rollout_correction.mask_out,
 }
 
 # kind -> (registry, how the kind reads in an error message)
@@ -64,6 +71,7 @@ REGISTRIES: dict[str, tuple[dict[str, Callable], str]] = {
     "agg_mode": (AGG_MODES, "loss aggregation mode"),
     "kl_estimator": (KL_ESTIMATORS, "KL estimator"),
     "rollout_correction": (ROLLOUT_CORRECTIONS, "rollout correction level"),
+    "rollout_correction_mode": (ROLLOUT_CORRECTION_MODES, "rollout correction mode"),
 }
 
 
@@ -74,7 +82,8 @@ def _registry(kind: str) -> tuple[dict[str, Callable], str]:
 
 
 def available(kind: str) -> list[str]:
-    """Sorted names registered for `kind` ("advantage_estimator", "policy_loss", "agg_mode", "kl_estimator")."""
+    """Sorted names registered for `kind` ("advantage_estimator", "policy_loss", "agg_mode",
+    "kl_estimator", "rollout_correction", "rollout_correction_mode")."""
     table, _ = _registry(kind)
     return sorted(table)
 

@@ -2,11 +2,13 @@
 
 `grouprl train cfg.yaml trainer.launcher=ray trainer.ray_workers=N` connects to the Ray cluster
 at RAY_ADDRESS (or starts a local one, as `ray.init()` does) and starts N workers with
-`ray.train.torch.TorchTrainer`. Ray Train joins their process group (gloo on CPU, NCCL on GPU)
-and sets RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/PORT) as torchrun does, so each worker
-runs the ordinary local loop, `Trainer(cfg).fit()`, and `Ranks.from_env` finds the group
-joined: the run folder and what rank 0 writes there are those of a torchrun run. Ray is an
-optional extra (`pip install 'grouprl[ray]'`); nothing here imports it before a run asks.
+`ray.train.torch.TorchTrainer`. Ray Train joins their process group with the backend torchrun's
+ranks get (`parallel.process_group_backend`: gloo on CPU; on GPUs NCCL and gloo beside it for
+CPU tensors, where Ray's own choice is NCCL alone) and sets RANK, WORLD_SIZE, LOCAL_RANK (and
+MASTER_ADDR/PORT) as torchrun does, so each worker runs the ordinary local loop,
+`Trainer(cfg).fit()`, and `Ranks.from_env` finds the group joined: the run folder and what
+rank 0 writes there are those of a torchrun run. Ray is an optional extra
+(`pip install 'grouprl[ray]'`); nothing here imports it before a run asks.
 """
 
 from __future__ import annotations
@@ -108,7 +110,9 @@ def run_on_ray(cfg: Config, setup: Callable[[], None] | None = None) -> None:
     module-level function, it travels by name) runs first on each worker: the CLI's logging."""
     ray = _import_ray()
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from grouprl.trainer.parallel import process_group_backend
 
     started = not ray.is_initialized()
     if started:
@@ -138,6 +142,7 @@ def run_on_ray(cfg: Config, setup: Callable[[], None] | None = None) -> None:
             trainer = TorchTrainer(
                 _worker,
                 train_loop_config=job,
+                torch_config=TorchConfig(backend=process_group_backend(tree["trainer"]["device"])),
                 scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
                 run_config=RunConfig(name=cfg.trainer.experiment_name, storage_path=storage, **options),
             )

@@ -90,6 +90,22 @@ def resolve_rollout_dtype(
     return resolve_compute_dtype(name, device, param_dtype, "rollout.dtype") if name == "bfloat16" else None
 
 
+def engine_may_differ(
+    engine: str, param_dtype: torch.dtype, compute_dtype: torch.dtype | None, rollout_dtype: torch.dtype | None
+) -> bool:
+    """Whether the rollout engine's log-probs can differ from the update's on the same tokens
+    beyond float noise: an engine with its own kernels and copy of the weights (vLLM), or any
+    reduced precision (bf16/fp16 autocast of generation or update, bf16 weights), where the
+    same token's numbers change with batching, the KV cache and the kernel that computes them.
+    Float32 (or float64) everywhere on the built-in engine is the one exact case."""
+    return (
+        engine != "hf"
+        or param_dtype not in (torch.float32, torch.float64)
+        or compute_dtype is not None
+        or rollout_dtype is not None
+    )
+
+
 def autocast(device: torch.device, compute_dtype: torch.dtype | None):
     """`torch.autocast` for `compute_dtype`, or a no-op."""
     if compute_dtype is None:

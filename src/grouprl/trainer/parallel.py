@@ -15,6 +15,12 @@ gradients accumulate locally, and `sync_gradients` reduce-scatters them in one p
 rank makes. Parameters, gradients and optimizer state stay sharded between mini-batches (the
 memory of ZeRO-2 during a mini-batch, of FSDP outside it). Generation and scoring run on
 gathered weights (`gathered`), as an inference engine would be given them.
+
+The loop's own collectives (counts, metrics, gathered groups) move CPU tensors and Python
+objects, which an NCCL-only group refuses: on CUDA the group is joined as "cpu:gloo,cuda:nccl"
+(gloo for CPU tensors, NCCL for the model's), and a group someone else joined for the device
+alone (a user's script; Ray Train is asked for both, see launch.py) gets a gloo group of the same
+ranks beside it, which `Ranks` uses for everything it reduces, gathers and waits on.
 """
 
 from __future__ import annotations
@@ -23,12 +29,32 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from grouprl.errors import UserError
+
+
+def process_group_backend(device_type: str) -> str:
+    """The backend a run on `device_type` joins its ranks with: gloo on a CPU; on CUDA, NCCL for
+    device tensors and gloo beside it for CPU ones (the loop's reductions and gathers; FSDP's
+    on offloaded shards)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def serves_cpu(group=None) -> bool:
+    """Whether `group` (the default one when None) has a backend for CPU tensors: not so for a
+    group joined as "nccl" alone, where a CPU tensor's collective fails."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    try:  # the look-up every collective makes for its tensors' device type
+        (group or _get_default_group())._get_backend(torch.device("cpu"))
+    except RuntimeError:  # "No backend type associated with device type cpu"
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -37,6 +63,9 @@ class Ranks:
     world: int = 1
     local_rank: int = 0
     owns_group: bool = False  # this process joined the group (torchrun), not its launcher (Ray)
+    # what reduce, gather and barrier go over: None, the default group (it serves CPU tensors),
+    # or a gloo group of the same ranks beside a default group that does not
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def main(self) -> bool:
@@ -49,20 +78,26 @@ class Ranks:
     @classmethod
     def from_env(cls, device_type: str) -> Ranks:
         """The ranks torchrun (or a Ray worker group) described in the environment; one rank
-        when there is none. Joins the process group (NCCL on CUDA, gloo on CPU)."""
+        when there is none. Joins the process group (`process_group_backend`) unless the
+        launcher did; beside a joined group that serves no CPU tensors, makes a gloo one."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
         owns = not dist.is_initialized()
         if owns:
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+            dist.init_process_group(process_group_backend(device_type))
+        # every rank gets here, as new_group (a collective) wants
+        group = None if serves_cpu() else dist.new_group(backend="gloo")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return cls(dist.get_rank(), dist.get_world_size(), local, owns, group)
 
     def close(self) -> None:
         """Leave the process group once every rank is done (a group left to the interpreter's
-        exit can abort a process whose communication threads are still up)."""
+        exit can abort a process whose communication threads are still up). A launcher's group
+        is the launcher's to leave, and the gloo group beside it goes with it (Ray Train's
+        `destroy_process_group()` ends every group)."""
         if self.owns_group and dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self.group)
             dist.destroy_process_group()
 
     def share(self, num: int, what: str = "data.train_batch_size", block: int = 0) -> list[int]:
@@ -81,11 +116,12 @@ class Ranks:
         return range(lo, hi)
 
     def reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """`values` combined element-wise over the ranks (in float64, on the CPU)."""
         if not self.distributed:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.float64)
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        dist.all_reduce(t, op=ops[op])
+        dist.all_reduce(t, op=ops[op], group=self.group)
         return t.tolist()
 
     def gather(self, obj) -> list:
@@ -93,12 +129,12 @@ class Ranks:
         if not self.distributed:
             return [obj]
         out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
 
 # metrics whose global value is not the mean of the ranks' values

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import yaml
 
-from grouprl.algorithms import compute_advantages, kl_estimate, logprob_mismatch, rollout_is_weights
+from grouprl.algorithms import compute_advantages, kl_estimate, logprob_mismatch, turn_index
 from grouprl.config import Config, to_dict
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
 from grouprl.curriculum.online import OnlineCurriculum
@@ -34,7 +34,7 @@ from grouprl.rewards.composite import groups_to_drop
 from grouprl.rewards.streaming import StreamingRewards, batch_summary
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
-from grouprl.rollout.engines import SamplingParams, build_engine
+from grouprl.rollout.engines import SamplingParams, build_engine, rollout_phase
 from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.rollout.trajectory import Trajectory
@@ -44,6 +44,7 @@ from grouprl.trainer.image_report import eval_rows, write_report
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.models import (
     autocast,
+    engine_may_differ,
     load_causal_lm,
     load_tokenizer,
     model_config,
@@ -162,6 +163,17 @@ class Trainer:
         self.rollout_dtype = resolve_rollout_dtype(
             cfg.rollout.dtype, self.device, self.dtype, self.compute_dtype
         )
+        # where the engine's numbers can differ from the update's (bf16, vLLM) it records its
+        # log-probs, and importance correction is on unless switched off (algorithm.rollout_is)
+        self.engine_differs = engine_may_differ(cfg.rollout.engine, self.dtype, self.compute_dtype, self.rollout_dtype)
+        self.rollout_is = cfg.algorithm.rollout_is
+        if self.rollout_is == "auto":
+            self.rollout_is = "token" if self.engine_differs else "off"
+        if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
+            log.warning(
+                "actor.policy_loss=gspo with loss_agg_mode=token-mean weighs a sequence by its length, "
+                "which the GSPO paper does not (its ratio is one per sequence); seq-mean-token-mean is GSPO's"
+            )
         model_path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model, model_path)
         self._check_images(model_config(cfg.model, model_path))
@@ -223,6 +235,7 @@ class Trainer:
             seed=cfg.trainer.seed,
             dtype=self.rollout_dtype,
             vision=self.family,
+            report_log_probs=cfg.rollout.check_log_probs or self.engine_differs or self.rollout_is != "off",
         )
         self.agent = (
             AgentLoop(self.engine, self.tokenizer, build_tools(cfg.agent), cfg.agent, vision=self.vision)
@@ -237,8 +250,11 @@ class Trainer:
             pad_token_id=self.engine.pad_token_id,
             skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
             compute_dtype=self.compute_dtype,
-            rollout_is=cfg.algorithm.rollout_is,
+            rollout_is=self.rollout_is,
             rollout_is_cap=cfg.algorithm.rollout_is_cap,
+            rollout_is_mode=cfg.algorithm.rollout_is_mode,
+            rollout_is_lower=cfg.algorithm.rollout_is_lower or None,
+            norm_length=self._norm_length(),
             vision=self.family,
             ranks=self.ranks,
         )
@@ -262,6 +278,19 @@ class Trainer:
         self._resume()
 
     # ------------------------------------------------------------------ set-up helpers
+    def _norm_length(self) -> float | None:
+        """The constant seq-mean-token-sum-norm divides by: actor.loss_scale_factor, else the
+        most policy tokens a response can hold (for agents: the response budget, else
+        max_turns turns of max_response_length)."""
+        c = self.cfg
+        if c.actor.loss_agg_mode != "seq-mean-token-sum-norm":
+            return None
+        if c.actor.loss_scale_factor:
+            return float(c.actor.loss_scale_factor)
+        if c.agent.enabled:
+            return float(c.agent.max_response_tokens or c.agent.max_turns * c.rollout.max_response_length)
+        return float(c.rollout.max_response_length)
+
     def _check_breakdown(self) -> None:
         """trainer.val_breakdown names a key the held-out samples have, with few values; else a
         warning, once, and no per-group figures (a typo or an id-like key must not pass silently
@@ -679,7 +708,9 @@ class Trainer:
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state, self._updating = self._trainer_state(), False
         self._rollout_calls = 0
-        samples, prompts, trajectories, metrics = self._rollout_and_score()
+        pushed = getattr(self.engine, "push_seconds", None)  # an engine with its own copy of the weights
+        with rollout_phase(self.engine):  # an engine that sleeps between rollouts wakes here
+            samples, prompts, trajectories, metrics = self._rollout_and_score()
         t_reward = time.perf_counter()
         if not self.ranks.reduce([len(trajectories)])[0]:  # every group dropped (judge failures)
             log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
@@ -698,15 +729,15 @@ class Trainer:
             self.device,
             mask_truncated=c.rollout.mask_truncated,
             pad_token_id=self.engine.pad_token_id,
-            # the same padded length on every rank (seq-mean-token-sum-norm divides by it)
-            width=int(self.ranks.reduce([max(len(t.response_ids) for t in trajectories)], "max")[0]),
         )
         need_ref = self.ref_model is not None
         # the trainer's own log-probs of the sampled tokens, when a loss is taken after a first
         # optimizer step or for a KL penalty; else the update's own first pass gives them (and,
         # against an engine with its own copy of the weights, keeps them for the mismatch metrics)
-        if self.updater.needs_old_log_probs(len(samples)) or c.algorithm.kl_coef > 0:
+        if self.updater.needs_old_log_probs(len(samples), tensors) or c.algorithm.kl_coef > 0:
             tensors.old_log_probs = self.updater.score_all(self.policy, tensors)
+        # importance masking: what leaves the band leaves the loss mask (every term, every denominator)
+        self.updater.reject(tensors)
         if need_ref:
             tensors.ref_log_probs = self._ref_log_probs(tensors)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
@@ -740,6 +771,9 @@ class Trainer:
         self.engine.weights_updated(self.model)  # the next rollout samples from the new weights
         t_synced = time.perf_counter()
         metrics["time/weight_sync"] = t_synced - t_update
+        if pushed is not None:  # pushes, wherever they ran (a sleeping engine pushes when it wakes)
+            metrics["time/weight_push"] = self.engine.push_seconds - pushed
+            metrics["perf/engine_freed_gb"] = getattr(self.engine, "last_sleep_freed_bytes", 0) / 1024**3
         self.step += 1
         self._updating = False
         if (
@@ -786,17 +820,34 @@ class Trainer:
         return metrics, trajectories
 
     def _rollout_correction(self, tensors) -> dict[str, float]:
-        """How far the engine's log-probs are from the trainer's old ones on the loss's tokens
-        and, with algorithm.rollout_is, the capped importance weights the update applied."""
+        """How far the engine's log-probs are from the trainer's old ones on the policy's sampled
+        tokens (gap, KL, chi-square; per turn for agents) and, with algorithm.rollout_is, what
+        the correction did (mean weight, effective sample size, capped or masked share)."""
         a = self.cfg.algorithm
-        old, rollout, mask = tensors.old_log_probs.float(), tensors.rollout_log_probs, tensors.loss_mask
+        old, rollout = tensors.old_log_probs.float(), tensors.rollout_log_probs.float()
+        mask = tensors.policy_mask if tensors.policy_mask is not None else tensors.loss_mask
+        found = logprob_mismatch(old, rollout, mask, a.mismatch_threshold)
         metrics = {
-            f"rollout/mismatch_{k}": float(v)
-            for k, v in logprob_mismatch(old, rollout, mask, a.mismatch_threshold).items()
+            f"rollout/{k if k.startswith(('kl_', 'chi2_')) else f'mismatch_{k}'}": float(v)
+            for k, v in found.items()
         }
-        if a.rollout_is != "off":
-            _, is_metrics = rollout_is_weights(a.rollout_is, old, rollout, mask, cap=a.rollout_is_cap)
+        if self.rollout_is != "off":
+            _, _, is_metrics = self.updater.correction(tensors, mask)
             metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
+        if self.agent is not None:  # per policy turn, over every rank's tokens
+            turns = turn_index(mask)  # [N, R]
+            log_w = (old - rollout).clamp(-20, 20)
+            gap, k3 = log_w.abs(), torch.exp(log_w) - 1 - log_w
+            sums = []
+            for k in range(1, self.cfg.agent.max_turns + 1):
+                here = turns == k
+                sums += [float(gap[here].sum()), float(k3[here].sum()), float(here.sum())]
+            sums = self.ranks.reduce(sums)
+            for k in range(1, self.cfg.agent.max_turns + 1):
+                gap_sum, k3_sum, count = sums[3 * (k - 1) : 3 * k]
+                if count:
+                    metrics[f"rollout/mismatch_mean/turn_{k}"] = gap_sum / count
+                    metrics[f"rollout/kl_k3/turn_{k}"] = k3_sum / count
         return metrics
 
     # ------------------------------------------------------------------ evaluation
@@ -809,7 +860,7 @@ class Trainer:
         batch = self.cfg.rollout.gen_batch_size or 64
         mine = self.ranks.split(len(keep))  # several ranks: each answers its block
         trajectories: list[Trajectory] = []
-        with gathered(self.policy):
+        with gathered(self.policy), rollout_phase(self.engine):
             for start in range(mine.start, mine.stop, batch):
                 chunk = keep[start : min(start + batch, mine.stop)]
                 trajectories += self.rollout(

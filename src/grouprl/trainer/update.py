@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from grouprl import cpu
-from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_is_weights
+from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_correction
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.logprobs import (
@@ -48,6 +48,9 @@ class StepTensors:
     old_log_probs: torch.Tensor | None = None  # [N, R]
     ref_log_probs: torch.Tensor | None = None  # [N, R]
     rollout_log_probs: torch.Tensor | None = None  # [N, R] the engine's, when it reports them
+    # [N, R] the policy's sampled tokens before importance masking took some out of loss_mask
+    # (algorithm.rollout_is_mode=mask); None when nothing was masked
+    policy_mask: torch.Tensor | None = None
     # VLM policies: each row's images (prompt's, response's), the very inputs generation ran
     prompt_images: list[list] | None = None
     response_images: list[list] | None = None
@@ -100,7 +103,7 @@ def build_step_tensors(
 
 def batch_total(mode: str, mask: torch.Tensor) -> float:
     """What a mini-batch's loss is divided by: its loss tokens (token-mean), its non-empty rows
-    (sequence means), nothing (seq-mean-token-sum-norm: a sum over tokens / the padded T)."""
+    (sequence means), nothing (seq-mean-token-sum-norm: a sum over tokens / a constant)."""
     if mode == "token-mean":
         return float(mask.sum())
     if mode == "seq-mean-token-sum-norm":
@@ -111,7 +114,7 @@ def batch_total(mode: str, mask: torch.Tensor) -> float:
 def micro_batch_weight(mode: str, micro_mask: torch.Tensor, mini_total: float) -> float:
     """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss
     (`mini_total`: batch_total of the whole mini-batch, over every rank)."""
-    if mode == "seq-mean-token-sum-norm":  # shares add up (same padded T)
+    if mode == "seq-mean-token-sum-norm":  # shares add up (the same constant divisor)
         return 1.0
     return batch_total(mode, micro_mask) / max(mini_total, 1.0)
 
@@ -138,18 +141,26 @@ class PolicyUpdater:
         compute_dtype: torch.dtype | None = None,
         rollout_is: str = "off",
         rollout_is_cap: float = 2.0,
+        rollout_is_mode: str = "truncate",
+        rollout_is_lower: float | None = None,
+        norm_length: float | None = None,
         vision=None,
         ranks: Ranks | None = None,
     ):
-        """`rollout_is` ("off" | "token" | "sequence"): truncated importance weights of an
-        engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs, capped at
-        `rollout_is_cap`, multiply each token's policy-gradient loss."""
+        """`rollout_is` ("off" | "token" | "sequence" | "geometric"): importance weights of an
+        engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs multiply
+        each token's policy-gradient loss: capped at `rollout_is_cap` (`rollout_is_mode`
+        "truncate"), or (mode "mask") tokens or sequences whose ratio leaves
+        [`rollout_is_lower` (None: 1 / cap), `rollout_is_cap`] leave the loss (`reject`, before
+        the update). `norm_length`: seq-mean-token-sum-norm's constant divisor."""
         self.cfg = cfg
         # several ranks: this one holds a block of whole groups of the step; loss weights are
         # global (over every rank's rows), gradients summed by FSDP's reduction
         self.ranks = ranks or Ranks()
         self.vision = vision  # the VLM family of the policy (grouprl.vision), None for text
         self.rollout_is, self.rollout_is_cap = rollout_is, rollout_is_cap
+        self.rollout_is_mode, self.rollout_is_lower = rollout_is_mode, rollout_is_lower
+        self.norm_length = norm_length
         self._recorded: torch.Tensor | None = None  # [N, R] on-policy log-probs of the current update
         self.compute_dtype = compute_dtype  # autocast dtype of forward passes (None = parameter dtype)
         self.skip_nonfinite = skip_nonfinite
@@ -249,11 +260,39 @@ class PolicyUpdater:
                 out[index] = lp
         return out
 
-    def needs_old_log_probs(self, num_prompts: int) -> bool:
+    def needs_old_log_probs(self, num_prompts: int, tensors: StepTensors | None = None) -> bool:
         """True when some loss is computed after an optimizer step: a second epoch, or a second
-        mini-batch (also a last, smaller one: 3 prompts in mini-batches of 2 take two steps)."""
+        mini-batch (also a last, smaller one: 3 prompts in mini-batches of 2 take two steps);
+        or when importance masking must know, before the update, which samples leave the loss."""
         mini = self.cfg.mini_batch_size // self.ranks.world or num_prompts
-        return self.cfg.ppo_epochs > 1 or mini < num_prompts
+        return self.cfg.ppo_epochs > 1 or mini < num_prompts or (tensors is not None and self.masks(tensors))
+
+    def masks(self, tensors: StepTensors) -> bool:
+        """Importance masking applies to these tensors (mask mode, the engine's log-probs known)."""
+        return self.rollout_is != "off" and self.rollout_is_mode == "mask" and tensors.rollout_log_probs is not None
+
+    def correction(self, tensors: StepTensors, mask: torch.Tensor, rows=slice(None)):
+        """(weights, keep, metrics) of the importance correction for `rows` of `tensors`, whose
+        old log-probs are known, over `mask`."""
+        return rollout_correction(
+            self.rollout_is,
+            self.rollout_is_mode,
+            tensors.old_log_probs[rows].float(),
+            tensors.rollout_log_probs[rows].float(),
+            mask,
+            upper=self.rollout_is_cap,
+            lower=self.rollout_is_lower,
+        )
+
+    def reject(self, tensors: StepTensors) -> None:
+        """Mask mode: the sampled tokens (or sequences) whose ratio pi_old / pi_rollout leaves the
+        band leave `loss_mask` before the update, so they leave every term of the loss and its
+        denominator (token or sequence count); `policy_mask` keeps the mask as sampled."""
+        if not self.masks(tensors) or tensors.policy_mask is not None:
+            return
+        _, keep, _ = self.correction(tensors, tensors.loss_mask)
+        tensors.policy_mask = tensors.loss_mask
+        tensors.loss_mask = tensors.loss_mask * keep.to(tensors.loss_mask.dtype)
 
     def update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
@@ -379,15 +418,17 @@ class PolicyUpdater:
         if self._recorded is not None:
             self._recorded[micro] = old.float()
         weights = None
-        if (
-            self.rollout_is != "off" and tensors.rollout_log_probs is not None
-        ):  # per row: exact per micro-batch
-            weights, _ = rollout_is_weights(
+        if self.rollout_is != "off" and tensors.rollout_log_probs is not None:  # per row: exact per micro-batch
+            if self.rollout_is_mode == "mask" and tensors.policy_mask is None:
+                raise RuntimeError("importance masking needs PolicyUpdater.reject(tensors) before the update")
+            weights, _, _ = rollout_correction(
                 self.rollout_is,
+                self.rollout_is_mode,
                 old.float(),
-                tensors.rollout_log_probs[micro],
+                tensors.rollout_log_probs[micro].float(),
                 loss_mask,
-                cap=self.rollout_is_cap,
+                upper=self.rollout_is_cap,
+                lower=self.rollout_is_lower,
             )
         pg_loss, m = policy_loss(
             cfg.policy_loss,
@@ -400,11 +441,12 @@ class PolicyUpdater:
             dual_clip=cfg.dual_clip,
             agg_mode=cfg.loss_agg_mode,
             token_weights=weights,
+            norm_length=self.norm_length,
         )
         metrics = {"actor/pg_loss": float(pg_loss.detach()), **{f"actor/{k}": v for k, v in m.items()}}
         loss = pg_loss
         if want_entropy:
-            ent = aggregate_loss(entropy, loss_mask, cfg.loss_agg_mode)
+            ent = aggregate_loss(entropy, loss_mask, cfg.loss_agg_mode, norm_length=self.norm_length)
             loss = loss - cfg.entropy_coef * ent
             metrics["actor/entropy"] = float(ent.detach())
         if cfg.kl_loss_coef > 0 and tensors.ref_log_probs is not None:
@@ -412,6 +454,7 @@ class PolicyUpdater:
                 kl_estimate(log_probs, tensors.ref_log_probs[micro], cfg.kl_loss_type),
                 loss_mask,
                 cfg.loss_agg_mode,
+                norm_length=self.norm_length,
             )
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = float(kl.detach())

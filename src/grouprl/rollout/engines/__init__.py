@@ -9,17 +9,27 @@ from grouprl.rollout.engines.base import (
     RolloutEngine,
     SamplingParams,
     Session,
+    rollout_phase,
 )
 
-__all__ = ["Generation", "ReprefillSession", "RolloutEngine", "SamplingParams", "Session", "build_engine"]
+__all__ = [
+    "Generation",
+    "ReprefillSession",
+    "RolloutEngine",
+    "SamplingParams",
+    "Session",
+    "build_engine",
+    "rollout_phase",
+]
 
 
 def build_engine(
-    cfg, model, tokenizer, *, model_path: str = "", seed: int = 0, dtype=None, vision=None
+    cfg, model, tokenizer, *, model_path: str = "", seed: int = 0, dtype=None, vision=None, report_log_probs=None
 ) -> RolloutEngine:
     """The engine `cfg.engine` names (cfg: the rollout config) over the policy `model`, loaded
     from `model_path`; `dtype` is the generation precision (None: the parameters'); `vision`
-    the VLM family of a policy that reads images."""
+    the VLM family of a policy that reads images; `report_log_probs`: the built-in engine records
+    each sampled token's log-prob (None: as cfg.check_log_probs says; vLLM always does)."""
     if cfg.engine == "hf":
         from grouprl.rollout.engines.hf import HFEngine
 
@@ -29,7 +39,7 @@ def build_engine(
             share_prompt_prefill=cfg.share_prompt_prefill,
             max_batch=cfg.gen_batch_size,
             vision=vision,
-            report_log_probs=cfg.check_log_probs,
+            report_log_probs=cfg.check_log_probs if report_log_probs is None else report_log_probs,
         )
     if vision is not None:
         raise ConfigError(

@@ -4,13 +4,18 @@ An engine samples n continuations of token-id prompts (`generate`), and for mult
 keeps a conversation per trajectory across turns (`open_session`). The trainer tells it when the
 policy's weights changed (`weights_updated`), so an engine with its own copy of the weights (an
 inference server) can take the new ones before the next rollout; an engine that runs the
-trainer's own model has nothing to do. Nothing is re-tokenized on the way: prompts go in as ids,
+trainer's own model has nothing to do. The trainer also says when a rollout begins and ends
+(`begin_rollout` / `end_rollout`, or `rollout_phase(engine)` around it): a step's generation with
+its refills, or an evaluation. An engine that gives the accelerator's memory back between
+rollouts (vLLM's sleep mode) sleeps at the end and wakes at the beginning, never between the
+turns or chunks of one rollout. Nothing is re-tokenized on the way: prompts go in as ids,
 responses come back as the ids the engine sampled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,6 +98,24 @@ class RolloutEngine(Protocol):
     def weights_updated(self, model: torch.nn.Module) -> None:
         """The policy `model` has new weights: the next rollout must sample from them."""
         ...
+
+    def begin_rollout(self) -> None:
+        """A rollout starts (a step's generation and its refills, or an evaluation)."""
+        ...
+
+    def end_rollout(self) -> None:
+        """The rollout is over: until the next one, the update may have the accelerator's memory."""
+        ...
+
+
+@contextlib.contextmanager
+def rollout_phase(engine: RolloutEngine) -> Iterator[None]:
+    """`engine.begin_rollout()` ... `engine.end_rollout()` around the block (also when it raises)."""
+    engine.begin_rollout()
+    try:
+        yield
+    finally:
+        engine.end_rollout()
 
 
 class ReprefillSession:

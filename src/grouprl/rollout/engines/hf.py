@@ -160,7 +160,7 @@ class HFEngine:
         prompts then come with their images, and image tokens are never sampled.
         `report_log_probs`: each Generation carries the log-prob of every sampled token under
         the sampling distribution at the temperature (before top-k / top-p), as the update
-        computes it."""
+        computes it (the trainer turns it on wherever the two can differ: bf16)."""
         self.model = model
         self.report_log_probs = report_log_probs
         self.vision = vision
@@ -416,11 +416,15 @@ class HFEngine:
         return tokens, finish
 
     def _log_probs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> list[float]:
+        """log softmax(logits / T)[token] per row, as the update computes it (before top-k /
+        top-p; image tokens excluded): the token's scaled logit minus the rows' logsumexp, with
+        no [rows, vocab] log-probabilities materialised."""
         scaled = logits.float() / (temperature or 1.0)
         banned = self._banned(logits)
         if banned is not None and banned.numel():
             scaled = scaled.index_fill(-1, banned, float("-inf"))
-        return torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        picked = scaled.gather(-1, tokens[:, None]).squeeze(-1)  # [A]
+        return (picked - torch.logsumexp(scaled, -1)).tolist()
 
     def _banned(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.banned is not None and self.banned.device != logits.device:
@@ -437,6 +441,12 @@ class HFEngine:
 
     def weights_updated(self, model) -> None:
         """The engine runs `model` itself: its next rollout already uses the new weights."""
+
+    def begin_rollout(self) -> None:
+        """Nothing to take back: the engine holds no memory of its own between rollouts."""
+
+    def end_rollout(self) -> None:
+        """Nothing to give back."""
 
 
 class KVSession:
