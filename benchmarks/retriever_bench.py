@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/retriever_bench.py                 # 10k docs, 2000 queries, 16 clients
     .venv/bin/python benchmarks/retriever_bench.py --quick         # 1k docs, smoke test
     .venv/bin/python benchmarks/retriever_bench.py --docs 10000 --queries 2000 --batch 64 --clients 16 --out r.json
+    .venv/bin/python benchmarks/retriever_bench.py --quick --only-maximal   # step 5 alone
 
 Steps:
 1. generate N documents of 3-5 template sentences (seeded), and queries made of 4 words drawn
@@ -13,7 +14,11 @@ Steps:
 4. the HTTP service in a separate process (uvicorn, as `grouprl retriever serve` runs it):
    `--clients` concurrent async clients each sending one-query requests back to back
    (p50/p99 latency, requests/s), and the same clients going through the search tool, whose
-   micro-batching merges their concurrent calls into fewer requests (calls/s).
+   micro-batching merges their concurrent calls into fewer requests (calls/s);
+5. the same service under a maximal request, the largest its default limits allow, in two
+   shapes (`max_queries` short queries, or fewer of 1000 characters, `max_query_chars` in all):
+   its time, and the latency of one-query requests sent back to back while it is served (next
+   to their latency on the idle service).
 The machine may be shared: figures are what one run measured, not a guarantee.
 """
 
@@ -36,6 +41,7 @@ import httpx
 from grouprl.data.sample import Sample
 from grouprl.retriever.client import RetrievalClient
 from grouprl.retriever.index import Retriever, build_index
+from grouprl.retriever.service import MAX_QUERIES, MAX_QUERY_CHARS
 from grouprl.rollout.tools.base import AgentState
 from grouprl.rollout.tools.search import SearchTool
 
@@ -140,6 +146,53 @@ async def tool_clients(url: str, queries: list[str], clients: int) -> dict:
     return {"calls_per_s": len(queries) / seconds, "requests": tool.backend_calls}
 
 
+def maximal_requests(queries: list[str]) -> dict[str, list[str]]:
+    """The two largest request shapes the default limits allow, every query distinct."""
+    short = MAX_QUERY_CHARS // MAX_QUERIES
+    long_count = MAX_QUERY_CHARS // 1000
+    return {
+        f"{MAX_QUERIES} queries of {short} chars": [
+            f"{i:04d} {queries[i % len(queries)]} {queries[(i + 1) % len(queries)]}"[:short]
+            for i in range(MAX_QUERIES)
+        ],
+        f"{long_count} queries of 1000 chars": [
+            f"{i:04d} " + " ".join(queries[(i + j) % len(queries)] for j in range(40))[:995]
+            for i in range(long_count)
+        ],
+    }
+
+
+async def small_beside_maximal(url: str, big: list[str], probes: list[str]) -> dict:
+    """One-query requests sent one after another while `big` (one request) is served."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+
+        async def probe(query: str) -> float:
+            started = time.perf_counter()
+            reply = await http.post("/search", json=[{"query": query, "id": "0"}], params={"top_k": 10})
+            reply.raise_for_status()
+            return time.perf_counter() - started
+
+        idle = [await probe(q) for q in probes[:10]]
+        started = time.perf_counter()
+        served = asyncio.ensure_future(
+            http.post("/search", json=[{"query": q, "id": str(i)} for i, q in enumerate(big)])
+        )
+        await asyncio.sleep(0.5)  # the big request is being searched now
+        latencies = []
+        while not served.done():
+            latencies.append(await probe(probes[len(latencies) % len(probes)]))
+        reply = await served
+        big_s = time.perf_counter() - started
+    reply.raise_for_status()
+    return {
+        "big_s": big_s,
+        "idle_p50_ms": 1000 * statistics.median(idle),
+        "probes": len(latencies),
+        "p50_ms": 1000 * statistics.median(latencies) if latencies else None,
+        "max_ms": 1000 * max(latencies) if latencies else None,
+    }
+
+
 def start_server(index: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,6 +223,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1000 docs, 256 queries")
+    parser.add_argument(
+        "--only-maximal", action="store_true", help="build, then step 5 only (skip the throughput steps)"
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON")
     args = parser.parse_args()
     if args.quick:
@@ -189,34 +245,50 @@ def main() -> None:
             f"build: {args.docs} docs in {build_s:.1f} s ({args.docs / build_s:.0f} docs/s, model load included)"
         )
 
-        retriever = Retriever.load(Path(tmp) / "index")
-        results["in_process"] = [
-            in_process(retriever, queries, sources, args.batch, m) for m in ("bm25", "dense", "hybrid")
-        ]
-        print(f"\nin-process, {args.batch} queries per call, top 10:")
-        print(f"{'mode':8} {'queries/s':>10} {'recall@10':>10}")
-        for row in results["in_process"]:
-            print(f"{row['mode']:8} {row['queries_per_s']:10.0f} {row['recall_at_10']:10.3f}")
-        del retriever
+        if not args.only_maximal:
+            retriever = Retriever.load(Path(tmp) / "index")
+            results["in_process"] = [
+                in_process(retriever, queries, sources, args.batch, m) for m in ("bm25", "dense", "hybrid")
+            ]
+            print(f"\nin-process, {args.batch} queries per call, top 10:")
+            print(f"{'mode':8} {'queries/s':>10} {'recall@10':>10}")
+            for row in results["in_process"]:
+                print(f"{row['mode']:8} {row['queries_per_s']:10.0f} {row['recall_at_10']:10.3f}")
+            del retriever
 
         server, url = start_server(Path(tmp) / "index")
         try:
             http_queries = queries[: args.http_queries]
             asyncio.run(http_clients(url, http_queries[:32], args.clients))  # warm-up
-            results["http"] = asyncio.run(http_clients(url, http_queries, args.clients))
-            results["http_tool"] = asyncio.run(tool_clients(url, http_queries, args.clients))
+            if not args.only_maximal:
+                results["http"] = asyncio.run(http_clients(url, http_queries, args.clients))
+                results["http_tool"] = asyncio.run(tool_clients(url, http_queries, args.clients))
+            results["maximal"] = {
+                shape: asyncio.run(small_beside_maximal(url, big, queries))
+                for shape, big in maximal_requests(queries).items()
+            }
         finally:
             server.terminate()
             server.wait(timeout=30)
-    http, tool = results["http"], results["http_tool"]
-    print(f"\nHTTP service (hybrid, top 10), {args.clients} concurrent clients, {len(http_queries)} queries:")
-    print(f"{'scenario':34} {'queries/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'requests':>9}")
+    if not args.only_maximal:
+        http, tool = results["http"], results["http_tool"]
+        print(
+            f"\nHTTP service (hybrid, top 10), {args.clients} concurrent clients, {len(http_queries)} queries:"
+        )
+        print(f"{'scenario':34} {'queries/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'requests':>9}")
+        print(
+            f"{'one query per request':34} {http['requests_per_s']:10.0f} {http['p50_ms']:8.1f} {http['p99_ms']:8.1f} {len(http_queries):9d}"
+        )
+        print(
+            f"{'through SearchTool (micro-batched)':34} {tool['calls_per_s']:10.0f} {'':>8} {'':>8} {tool['requests']:9d}"
+        )
+    print("\none-query requests sent back to back while a maximal request is served (hybrid, top 10):")
     print(
-        f"{'one query per request':34} {http['requests_per_s']:10.0f} {http['p50_ms']:8.1f} {http['p99_ms']:8.1f} {len(http_queries):9d}"
+        f"{'maximal request':28} {'its s':>6} {'idle p50 ms':>12} {'probes':>7} {'p50 ms':>8} {'max ms':>8}"
     )
-    print(
-        f"{'through SearchTool (micro-batched)':34} {tool['calls_per_s']:10.0f} {'':>8} {'':>8} {tool['requests']:9d}"
-    )
+    for shape, row in results["maximal"].items():
+        p50, worst = (f"{row[k]:8.0f}" if row[k] is not None else f"{'-':>8}" for k in ("p50_ms", "max_ms"))
+        print(f"{shape:28} {row['big_s']:6.1f} {row['idle_p50_ms']:12.0f} {row['probes']:7d} {p50} {worst}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 

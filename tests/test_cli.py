@@ -5,6 +5,8 @@ import json
 import logging
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -81,7 +83,7 @@ def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path
     assert "micro-batches: 4 samples -> 2 accumulation step(s) per mini-batch" in out
     assert "LoRA r=8 alpha=16" in out
     assert "reference: base model with adapters disabled (kl_coef=0, kl_loss_coef=0.01)" in out
-    assert f"data: {data}\n" in out
+    assert f"data: {data}: plain layout: question, answer\n" in out
     assert f"data: {tmp_path}/gone.jsonl  [WARNING: not found]" in out
 
 
@@ -176,6 +178,15 @@ def test_model_path_that_does_not_exist(capsys, tmp_path):
     assert not out_dir.exists()
 
 
+@pytest.mark.parametrize("path", ["runs/sft/model", "./model", "../model", "model dir"])
+def test_a_relative_model_path_that_does_not_exist_is_not_called_a_repo_id(capsys, tmp_path, monkeypatch, path):
+    """More than one `/`, a leading `.`, a space: no hub id has that form, so it was meant as a folder."""
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    message = one_line_error(capsys, "train", f"data.train_files=[{data}]", f"model.path={path}", "trainer.device=cpu")
+    assert message == f"model.path '{path}' does not exist (not a local folder in {tmp_path}, and not a hub id)"
+
+
 def test_unknown_builtin_model(capsys, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
     message = one_line_error(capsys, "train", f"data.train_files=[{data}]", "model.path=builtin:gpt-17")
@@ -234,3 +245,60 @@ def test_train_and_eval_a_tiny_model(capsys, tmp_path):
     keys = [line.split(":")[0] for line in out.splitlines()]
     assert keys[:3] == ["val/accuracy", "val/reward", "val/response_length"]
     assert "val/contains_integer" in keys
+
+
+# ------------------------------------------------------------------------- what a new user saw
+def test_dry_run_names_the_built_in_vlm_and_an_unknown_built_in(capsys, no_model_load):
+    _, out, _ = run(capsys, "train", "--dry-run", "model.path=builtin:smolvlm-smollm2-135m", "model.cache_dir=/c")
+    assert (
+        "policy: builtin:smolvlm-smollm2-135m [built-in VLM: SmolLM2-135M-Instruct.Q4_1.gguf (a PyPI package) as "
+        "its language model, its vision tower initialised at random; assembled once into "
+        "/c/models/smolvlm-smollm2-135m]"
+    ) in out
+    assert "?" not in out
+    _, out, _ = run(capsys, "train", "--dry-run", "model.path=builtin:gpt-17")
+    assert "policy: builtin:gpt-17 [WARNING: no such built-in model; available: smollm2-135m-instruct, smolvlm-smollm2-135m]" in out
+
+
+def test_an_empty_value_on_the_command_line_turns_a_string_setting_off(capsys, no_model_load):
+    code, out, err = run(capsys, "train", "--dry-run", "trainer.val_breakdown=")
+    assert code == 0, err
+
+
+def test_an_index_into_a_recipe_list_from_the_command_line(capsys, no_model_load):
+    recipe = Path(__file__).parents[1] / "configs" / "math_api_judge.yaml"
+    code, out, err = run(
+        capsys, "train", "--dry-run", str(recipe), "reward.judges[0].backend=openai", "reward.judges.0.model=served"
+    )
+    assert code == 0, err
+    assert "judges: tutor (openai served)" in out
+    message = one_line_error(capsys, "train", "--dry-run", str(recipe), "reward.judges[1].model=m")
+    assert message.startswith("config key 'reward.judges[1]': reward.judges has 1 entry;")
+
+
+def test_a_mistyped_verl_key_from_the_command_line(capsys, no_model_load):
+    assert one_line_error(capsys, "train", "--dry-run", "actor_rollout_ref.actor.clip_ratio_lowz=3e-4") == (
+        "unknown config key 'actor_rollout_ref.actor.clip_ratio_lowz'; did you mean "
+        "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?"
+    )
+
+
+def test_transformers_deprecation_warnings_are_silenced_and_others_kept(capsys, tmp_path, recwarn):
+    """peft reads transformers' deprecated `is_gradient_checkpointing` of every LoRA model: the
+    CLI's logging set-up silences transformers' own deprecation notices, and only those."""
+    model_dir = tmp_path / "model"
+    tiny_model_and_tokenizer(model_dir)
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    code, _, err = run(
+        capsys, "train", f"data.train_files=[{data}]", f"model.path={model_dir}", "model.lora.rank=2",
+        "reward.components=[{name: contains_integer}]", "reward.val_metric=contains_integer",
+        "rollout.max_response_length=2", "data.train_batch_size=2", "rollout.n_agent=2", "trainer.total_steps=1",
+        "trainer.val_before_train=false", "trainer.save_final=false", "trainer.save_best=false",
+        "trainer.loggers=[jsonl]", "trainer.device=cpu", f"trainer.output_dir={tmp_path}/runs",
+    )  # fmt: skip
+    assert code == 0, err
+    deprecations = (FutureWarning, DeprecationWarning)
+    assert [str(w.message) for w in recwarn if issubclass(w.category, deprecations)] == []
+    warnings.warn_explicit("ours", FutureWarning, "grouprl/trainer/trainer.py", 1, module="grouprl.trainer.trainer")
+    warnings.warn_explicit("torch's", DeprecationWarning, "torch/nn/modules/module.py", 1, module="torch.nn.modules.module")
+    assert [str(w.message) for w in recwarn if issubclass(w.category, deprecations)] == ["ours", "torch's"]

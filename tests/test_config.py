@@ -350,3 +350,123 @@ def test_explain_lists_every_setting_with_its_doc():
 def test_a_bare_off_means_the_setting_off_not_false():
     """YAML reads `off` as false; a setting whose choices include "off" takes it as "off"."""
     assert load_config(None, ["algorithm.rollout_is=off"]).algorithm.rollout_is == "off"
+
+
+# ------------------------------------------------------------------------- list entries by index
+RECIPES = __import__("pathlib").Path(__file__).parents[1] / "configs"
+
+
+@pytest.mark.parametrize("spelling", ["reward.judges[0].{}", "reward.judges.0.{}"])
+def test_a_list_entry_field_is_overridden_by_index_and_keeps_its_other_fields(spelling):
+    """The recipe's own advice (an OpenAI-compatible server in place of Gemini), both spellings."""
+    recipe = RECIPES / "math_api_judge.yaml"
+    cfg = load_config(
+        recipe,
+        [spelling.format("backend=openai"), spelling.format("base_url=http://host:8000/v1"), spelling.format("model=served")],
+    )
+    (judge,) = cfg.reward.judges
+    assert (judge.backend, judge.base_url, judge.model) == ("openai", "http://host:8000/v1", "served")
+    original = load_config(recipe).reward.judges[0]
+    assert judge == dataclasses.replace(original, backend="openai", base_url="http://host:8000/v1", model="served")
+    assert (judge.name, judge.fields, judge.scale, judge.api_key_env) == ("tutor", {"reasoning": 1.0}, 5.0, "GEMINI_API_KEY")
+
+
+def test_an_index_reaches_default_lists_reward_models_and_lists_of_values(tmp_path):
+    cfg = load_config(None, ["reward.components[1].weight=0.5", "reward.components.0.kwargs.k=1", "actor.optim.betas[1]=0.99"])
+    assert cfg.reward.components == [  # the default list, changed where indexed
+        RewardComponentConfig(name="correctness", weight=1.0, kwargs={"k": 1}),
+        RewardComponentConfig(name="soft_format", weight=0.5),
+    ]
+    assert cfg.actor.optim.betas == [0.9, 0.99]
+    path = write(
+        tmp_path,
+        "reward:\n  models:\n    - {name: draw, kind: scene_renderer}\n"
+        "    - {name: score, kind: scene_scorer, images_from: draw}\n"
+        "  components: [{name: look, function: 'model:score'}]\n  val_metric: look\n",
+    )
+    models = load_config(path, ["reward.models[1].text=response", "reward.models.0.height=64"]).reward.models
+    assert [(m.name, m.kind, m.height, m.text, m.images_from) for m in models] == [
+        ("draw", "scene_renderer", 64, "prompt", ""),
+        ("score", "scene_scorer", 512, "response", "draw"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "reward.judges[0].model=m",
+            "config key 'reward.judges[0]': reward.judges has 0 entries; an index names an existing entry "
+            "(to add one, set the whole list: reward.judges=[...])",
+        ),
+        ("reward.components.2.weight=1", "config key 'reward.components[2]': reward.components has 2 entries;"),
+        ("actor.optim.betas[2]=1", "config key 'actor.optim.betas[2]': actor.optim.betas has 2 entries;"),
+        ("reward[0].x=1", "config key 'reward' is not a list; [0] indexes a list's entries"),
+        ("reward.judges[one].model=m", "override key 'reward.judges[one].model' is malformed"),
+        ("trainer.seed.x=1", "config key 'trainer.seed' is a value, not a section"),
+    ],
+)
+def test_an_index_past_the_end_or_in_the_wrong_place_is_one_line(override, expected):
+    assert expected in config_error([override])
+
+
+# ------------------------------------------------------------------------- close matches
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "actor_rollout_ref.actor.clip_ratio_lowz=3e-4",
+            "unknown config key 'actor_rollout_ref.actor.clip_ratio_lowz'; did you mean "
+            "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?",
+        ),
+        (
+            "algorithm.kl_ctrl.kl_coeff=0.1",
+            "unknown config key 'algorithm.kl_ctrl.kl_coeff'; did you mean algorithm.kl_ctrl.kl_coef (algorithm.kl_coef)?",
+        ),
+        ("data.shufle=false", "unknown config key 'data.shufle'; did you mean data.shuffle (data.sampler)?"),
+        (
+            "actor_rollout_ref.ref.fsdp_config.whatever=1",
+            "unknown config key 'actor_rollout_ref.ref.fsdp_config.whatever': not a verl name grouprl translates "
+            "(see grouprl.config.VERL_KEYS)",
+        ),
+    ],
+)
+def test_a_mistyped_verl_key_names_its_leaf_and_the_close_verl_names(override, expected):
+    assert config_error([override]) == expected
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.total_step=1", "unknown config key 'trainer.total_step'; did you mean trainer.total_steps? allowed in trainer: "),
+        ("trainr.seed=1", "unknown config key 'trainr'; did you mean trainer.seed? allowed in the top level: "),
+        ("judges[0].backend=openai", "unknown config key 'judges'; did you mean reward.judges[0].backend? allowed in"),
+        ("lr=1e-5", "unknown config key 'lr'; did you mean actor.optim.lr or sft.optim.lr? allowed in"),
+        (
+            "reward.components[0].wieght=2",
+            "unknown config key 'reward.components[0].wieght'; did you mean reward.components[0].weight? "
+            "allowed in reward.components[0]: name, function, weight,",
+        ),
+        ("actor.optim.learning_rate=1", "unknown config key 'actor.optim.learning_rate'; allowed in actor.optim: lr,"),
+    ],
+)
+def test_a_mistyped_key_names_the_close_keys(override, expected):
+    assert config_error([override]).startswith(expected)
+
+
+def test_close_matches_in_a_file_too(tmp_path):
+    message = config_error(path=write(tmp_path, "trainer:\n  total_step: 3\n"))
+    assert message.startswith("unknown config key 'trainer.total_step'; did you mean trainer.total_steps?")
+    message = config_error(path=write(tmp_path, "actor_rollout_ref:\n  actor:\n    clip_ratio_low: 0.2\n", "v.yaml"))
+    assert message == (
+        "config key 'actor_rollout_ref.actor.clip_ratio_low' is a verl name, which only command-line overrides "
+        "take; write actor.clip_low"
+    )
+
+
+# ------------------------------------------------------------------------- empty values
+def test_an_empty_value_for_a_string_setting_means_the_empty_string(tmp_path):
+    cfg = load_config(None, ["trainer.val_breakdown=kind", "trainer.val_breakdown="])
+    assert cfg.trainer.val_breakdown == ""
+    assert load_config(write(tmp_path, "trainer:\n  val_breakdown:\n")).trainer.val_breakdown == ""
+    assert load_config(None, ["data.system_prompt="]).data.system_prompt is None  # may be null: stays null

@@ -2,7 +2,7 @@
 
 A mistake the user can make (a missing file, an unknown key, a bad value, an unreachable
 model) is printed as one line and exits with status 2; anything else is a bug and keeps its
-traceback.
+traceback. Under torchrun the line comes from one rank and every rank exits 2 (`RankReport`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
+import time
+import warnings
+from datetime import timedelta
 from pathlib import Path
 
 from grouprl.errors import UserError
@@ -24,6 +29,10 @@ def _setup_logging() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for noisy in ("faiss", "faiss.loader", "bm25s", "httpx"):  # their INFO/DEBUG lines are not ours
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # transformers' notices about its own API (e.g. `is_gradient_checkpointing`, which peft reads
+    # on every LoRA model) say nothing about the run; other modules' warnings, ours too, stay
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"transformers(\.|$)")
     try:
         from transformers.utils import logging as hf_logging
 
@@ -31,6 +40,97 @@ def _setup_logging() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
+
+
+class RankReport:
+    """A user's mistake under torchrun, reported as one process would: one line, status 2 on
+    every rank. The ranks share the store torchrun's agent keeps: the first rank to find a
+    mistake (a counter there) prints it and sets a key that a thread in every rank waits on;
+    each other rank then leaves at once with status 2, silently, wherever it is (a collective
+    waiting for the rank that found it included), and the first rank leaves after them (torchrun
+    stops the ranks left once one has gone: a stop then leaves with status 2 too). Without that
+    store (one process, another launcher) each rank prints its own mistake."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.store = self._connect()
+        run = f"grouprl/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.count_key, self.said_key, self.left_key = (f"{run}/user_error_{k}" for k in ("count", "said", "left"))
+        self.reporting = False  # this rank's main thread handles a mistake: the watcher stands aside
+        if self.store is not None:
+            threading.Thread(target=self._leave_when_said, name="grouprl-user-error", daemon=True).start()
+
+    def _connect(self):
+        if self.world <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None
+        try:
+            from torch.distributed import TCPStore
+
+            return TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=30)
+            )
+        except (ImportError, KeyError, ValueError, RuntimeError):  # no store to reach: each rank speaks for itself
+            return None
+
+    def _leave_when_said(self) -> None:
+        store = self._connect()  # a connection of its own: the main thread may be using the other
+        if store is None:
+            return
+        try:
+            store.wait([self.said_key], timedelta(days=365))
+        except RuntimeError:  # the store went away (the run is over): nothing more to hear
+            return
+        if not self.reporting:
+            self._count_out(store)
+
+    def user_error(self, error: UserError) -> int:
+        """Print the line, unless another rank did, and leave with status 2."""
+        if self.store is None:
+            print(f"grouprl: error: {error}", file=sys.stderr)
+            return 2
+        self.reporting = True
+        if threading.current_thread() is threading.main_thread():  # torchrun's stop: status 2 as well
+            signal.signal(signal.SIGTERM, lambda *_: self.leave())
+        try:
+            first = self.store.add(self.count_key, 1) == 1
+            if first:  # only the rank that prints wakes the others: none leaves before the line is out
+                print(f"grouprl: error: {error}", file=sys.stderr)
+                sys.stderr.flush()
+                self.store.set(self.said_key, "1")
+                deadline = time.monotonic() + 10  # the others leave first (a rank that died never counts)
+                while self.store.add(self.left_key, 0) < self.world - 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.02)  # from counted out to gone
+            else:
+                self.store.wait([self.said_key], timedelta(seconds=10))
+                self._count_out(self.store)
+        except RuntimeError:  # the store is gone: leave all the same
+            pass
+        self.leave()
+        return 2
+
+    def _count_out(self, store) -> None:
+        """Count this rank as gone, then go."""
+        try:
+            store.add(self.left_key, 1)
+        finally:
+            self.leave()
+
+    @staticmethod
+    def leave() -> None:
+        """Status 2 at once: tearing the interpreter down can abort a rank ("terminate called
+        without an active exception" from a communication thread), as cmd_train says."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+    def said_elsewhere(self) -> bool:
+        """Whether a rank reported a user's mistake: this rank's failure (a collective whose peer
+        left) follows from it and needs no traceback."""
+        try:
+            return self.store is not None and self.store.check([self.count_key])
+        except RuntimeError:
+            return False
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -65,7 +165,8 @@ def describe_correction(cfg) -> str:
 
 def describe_plan(cfg) -> list[str]:
     """What a run would do, without loading a model."""
-    from grouprl.trainer.models import BUILTIN_MODELS
+    from grouprl.errors import missing_local_path
+    from grouprl.trainer.models import BUILTIN_MODELS, BUILTIN_VLMS
 
     b, n = cfg.data.train_batch_size, cfg.rollout.n_agent
     mini = cfg.actor.mini_batch_size or b
@@ -93,12 +194,20 @@ def describe_plan(cfg) -> list[str]:
     if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
         lines.append("WARNING: gspo with token-mean weighs a sequence by its length (GSPO's own is seq-mean-token-mean)")
     path = cfg.model.path
-    if path.startswith("builtin:"):
-        where = f"built-in ({BUILTIN_MODELS.get(path.split(':', 1)[1], ('?', '?'))[1]} from a PyPI package)"
-    elif Path(path).exists():
+    builtin = path.split(":", 1)[1] if path.startswith("builtin:") else None
+    if builtin in BUILTIN_MODELS:
+        where = f"built-in ({BUILTIN_MODELS[builtin][1]} from a PyPI package)"
+    elif builtin in BUILTIN_VLMS:  # see trainer/embedded_vlm.py
+        where = (
+            f"built-in VLM: {BUILTIN_MODELS[BUILTIN_VLMS[builtin]][1]} (a PyPI package) as its language model, "
+            f"its vision tower initialised at random; assembled once into {Path(cfg.model.cache_dir) / 'models' / builtin}"
+        )
+    elif builtin is not None:
+        where = f"WARNING: no such built-in model; available: {', '.join([*BUILTIN_MODELS, *BUILTIN_VLMS])}"
+    elif Path(path).expanduser().exists():
         where = "local folder"
-    elif path.startswith((".", "/", "~")):
-        where = "WARNING: local folder not found"
+    elif missing_local_path(path):
+        where = f"WARNING: does not exist ({missing_local_path(path)})"
     else:
         where = "not a local folder: will be read from the Hugging Face hub"
     extra = []
@@ -147,8 +256,10 @@ def describe_plan(cfg) -> list[str]:
         what = f"{m.kind} {m.path or m.base_url or '(built-in)'} on {m.device}, batches of {m.batch_size}"
         lines.append(f"reward model {m.name}: {what}" + (f", scores {m.images_from}'s images" if m.images_from else ""))
     if cfg.data.train_files:
-        for f in cfg.data.train_files + cfg.data.val_files:
-            lines.append(f"data: {f}" + ("" if Path(f).exists() else "  [WARNING: not found]"))
+        from grouprl.data.layout import describe_data_file
+
+        for f in cfg.data.train_files + cfg.data.val_files:  # a needed column absent: one error line
+            lines.append(f"data: {f}: {describe_data_file(f)}" if Path(f).exists() else f"data: {f}  [WARNING: not found]")
     else:
         lines.append(
             f"data: built-in task '{cfg.data.task}' ({cfg.data.task_train_size} train / {cfg.data.task_val_size} held-out)"
@@ -176,8 +287,9 @@ def cmd_train(args) -> int:
         return 0
     cfg = _load(args.items)
     if args.dry_run:
+        plan = describe_plan(cfg)  # reads the data files' columns: a missing one is the only line
         print("config is valid. plan:")
-        for line in describe_plan(cfg):
+        for line in plan:
             print("  " + line)
         return 0
     if cfg.trainer.launcher == "ray":  # the ranks run on Ray workers, each the local loop below
@@ -201,14 +313,29 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """Held-out metrics on stdout; every answer in answers.jsonl (trainer.eval_dir); progress on stderr."""
     cfg = _load(args.items)
+    from rich.console import Console
+
+    from grouprl.trainer.loggers import ConsoleLogger
     from grouprl.trainer.trainer import Trainer
 
+    if not (cfg.data.val_files if cfg.data.train_files else cfg.data.task_val_size):
+        raise UserError("grouprl eval needs held-out data: data.val_files, or a built-in task's data.task_val_size > 0")
     cfg.trainer.resume_mode = "disable"
     trainer = Trainer(cfg)
-    result = trainer.evaluate()
-    for k, v in result.items():
-        print(f"{k}: {v:.4f}")
+    folder = Path(cfg.trainer.eval_dir) if cfg.trainer.eval_dir else trainer.run_dir / "eval"
+    console = ConsoleLogger(0, console=Console(stderr=True)) if trainer.ranks.main else None
+    try:
+        result = trainer.evaluate(answers=folder, progress=console.chunk if console else None)
+    finally:
+        if console:
+            console.close()
+        trainer.reward.close()
+    if trainer.ranks.main:
+        for k, v in result.items():
+            print(f"{k}: {v:.4f}")
+        print(f"answers: {folder / 'answers.jsonl'}")
     return 0
 
 
@@ -240,11 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
     args = parser.parse_args(argv)
     _setup_logging()
+    report = RankReport()
     try:
         return args.func(args)
     except UserError as e:
-        print(f"grouprl: error: {e}", file=sys.stderr)
-        return 2
+        return report.user_error(e)
+    except Exception:
+        if report.said_elsewhere():  # e.g. a collective whose peer left on a user's mistake
+            report.leave()
+        raise
     except KeyboardInterrupt:
         print("grouprl: interrupted", file=sys.stderr)
         return 130

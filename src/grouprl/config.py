@@ -3,13 +3,20 @@
 Each field carries a one-line docstring (the string right under it); `grouprl train --explain`
 prints them. Unknown keys, wrong types and impossible combinations fail in `load_config`,
 before any model loads, with one line naming the key and what is allowed.
+
+An override reaches into a list of entries by index, `reward.judges[0].model=m` or
+`reward.judges.0.model=m`: the field of an entry that exists changes, its other fields stay as
+the file (or the default list) has them. An index names an existing entry only; to add one, set
+the whole list (`reward.judges=[{name: a}, {name: b}]`).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -393,9 +400,24 @@ class RewardConfig:
     models: list[RewardModelConfig] = field(default_factory=list)
     """Reward models (CLIP, reward classifiers, text-to-image) run in a worker process on their
     own devices; a component uses one with function `model:<name>`."""
+    max_consecutive_failures: int = 50
+    """Stop the run (after saving a checkpoint) once a judge has failed this many calls in a row,
+    retries included in each call; its calls after that fail at once (0 = never)."""
+    max_failed_share: float = 0.5
+    """Stop the run (after saving a checkpoint) when a judge fails on more than this share of
+    a step's calls, over every rank (1 = never)."""
 
     def __post_init__(self) -> None:
         """Judge and model names, `judge:` / `model:` references and gates (no cycle) are consistent."""
+        if self.max_consecutive_failures < 0:
+            raise ConfigError(
+                "config key 'reward.max_consecutive_failures' must be >= 0 (0 = never stop), "
+                f"got {self.max_consecutive_failures}"
+            )
+        if not 0 <= self.max_failed_share <= 1:
+            raise ConfigError(
+                f"config key 'reward.max_failed_share' must be in [0, 1] (1 = never stop), got {self.max_failed_share}"
+            )
         judges = [j.name for j in self.judges]
         if len(set(judges)) != len(judges) or not all(judges):
             raise ConfigError(f"config key 'reward.judges' needs unique, non-empty names, got {judges}")
@@ -608,7 +630,7 @@ class TrainerConfig:
     total_epochs: int = 1
     """Passes over the training data when total_steps is 0."""
     max_time_minutes: float = 0.0
-    """Stop training (then evaluate and save) after this much wall time (0 = no limit)."""
+    """Stop training (then evaluate and save) after this much wall time of this process's training steps, counted from the first step: the baseline evaluation before it is not counted (0 = no limit)."""
     seed: int = 42
     """Seed for sampling, generation and initialisation."""
     device: str = "auto"
@@ -631,6 +653,8 @@ class TrainerConfig:
     """Evaluate every N steps (0 = only before and after training)."""
     val_before_train: bool = True
     """Evaluate the starting model (the baseline)."""
+    eval_dir: str = ""
+    """`grouprl eval` writes answers.jsonl (one line per held-out sample, in file order) and metrics.json here; "" = <output_dir>/<experiment_name>/eval."""
     val_breakdown: str = ""
     """Also log held-out accuracy per value of this key: data_source, or a key of the samples' extra_info (e.g. kind): val/accuracy/<value>."""
     save_best: bool = True
@@ -713,9 +737,15 @@ class CurriculumConfig:
 @dataclass
 class SFTConfig:
     train_files: list[str] = field(default_factory=list)
-    """Conversations to learn (jsonl/json/parquet: `messages`, optional `train_on`). Empty: generate `task`."""
+    """Conversations to learn (jsonl/json/parquet: `messages`, optional `train_on`; or RL data in the verl or plain layout, see reply_template). Empty: generate `task`."""
     val_files: list[str] = field(default_factory=list)
     """Held-out conversations for the eval loss. Empty with a built-in task: its held-out split."""
+    reply_template: str = "{ground_truth}"
+    """RL data as SFT data: the assistant's reply learned after a prompt that does not end with an assistant turn, {ground_truth} replaced by the sample's reward_model.ground_truth (plain layout: answer), e.g. "<answer>{ground_truth}</answer>"."""
+    val_rl_files: list[str] = field(default_factory=list)
+    """RL held-out data (verl or plain layout) answered greedily before and after training (and every eval_freq steps) and scored with reward.val_metric, as `grouprl eval`: eval/accuracy, answers.jsonl."""
+    val_rl_max_samples: int = 0
+    """Answer at most this many prompts of val_rl_files (0 = all)."""
     task: str = "slides"
     """Built-in task whose gold trajectories are generated when train_files is empty (slides)."""
     task_dir: str = ""
@@ -974,6 +1004,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if value is None:  # `key=` on the command line (or `key:` in YAML): the empty string, "off"
+            return ""
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
@@ -986,10 +1018,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            section = prefix.rstrip(".") or "the top level"
-            raise ConfigError(
-                f"unknown config key '{prefix}{key}'; allowed in {section}: {', '.join(names)}"
-            )
+            raise _unknown_key(prefix, key, names, _first_leaf(value))
         kwargs[key] = _coerce(value, hints[key], prefix + key)
     return cls(**kwargs)
 
@@ -1025,20 +1054,140 @@ def _translate_verl_key(key: str, value: Any) -> tuple[str, Any]:
     return key, value
 
 
+_KEY_PART = re.compile(r"([^\[\]]*)((?:\[\d+\])*)")
+
+
+def _key_tokens(key: str) -> list[str | int]:
+    """`reward.judges[0].model` -> ["reward", "judges", 0, "model"]. A bare number between dots
+    (`reward.judges.0.model`) stays a string here: it is an index only where the key so far
+    is a list."""
+    tokens: list[str | int] = []
+    for part in key.split("."):
+        match = _KEY_PART.fullmatch(part)
+        if match is None or not any(match.groups()):
+            raise ConfigError(
+                f"override key '{key}' is malformed: write section.key, and a list entry by its "
+                "number (reward.judges[0].model)"
+            )
+        if match.group(1):
+            tokens.append(match.group(1))
+        tokens += [int(n) for n in re.findall(r"\d+", match.group(2))]
+    return tokens
+
+
+def _dotted(tokens: list[str | int]) -> str:
+    """The tokens as a key again: reward.judges[0].model."""
+    return "".join(f"[{t}]" if isinstance(t, int) else f".{t}" for t in tokens).lstrip(".")
+
+
+def _field_default(cls: type, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def apply_override(tree: dict[str, Any], dotted: str) -> None:
-    """Apply `section.key=value` to nested plain data (value parsed as YAML)."""
+    """Apply `section.key=value` to nested plain data (value parsed as YAML). A list of entries
+    is indexed as `reward.judges[0].model` or `reward.judges.0.model`: only an existing entry
+    (from the file, else the setting's default list), whose other fields stay."""
     if "=" not in dotted:
         raise ConfigError(f"override '{dotted}' must look like section.key=value")
     key, text = dotted.split("=", 1)
     key, value = _translate_verl_key(key.strip(), _parse_value(text))
-    parts = key.split(".")
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section")
-        node = child
-    node[parts[-1]] = value
+    tokens = _key_tokens(key)
+    node: Any = tree
+    tp: Any = Config  # the annotation of `node`; None inside a free-form mapping (kwargs, fields)
+    for i, token in enumerate(tokens):
+        above = _dotted(tokens[:i])
+        if isinstance(token, str) and token.isdigit() and isinstance(node, list):
+            token = tokens[i] = int(token)
+        if isinstance(token, int):
+            if not isinstance(node, list):
+                raise ConfigError(f"config key '{above}' is not a list; [{token}] indexes a list's entries")
+            if token >= len(node):
+                entries = f"{len(node)} entries" if len(node) != 1 else "1 entry"
+                raise ConfigError(
+                    f"config key '{_dotted(tokens[: i + 1])}': {above} has {entries}; an index names an "
+                    f"existing entry (to add one, set the whole list: {above}=[...])"
+                )
+            child_tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        elif not isinstance(node, dict) or not (
+            tp is None or tp is Any or typing.get_origin(tp) is dict or dataclasses.is_dataclass(tp)
+        ):
+            raise ConfigError(f"config key '{above}' is a value, not a section")
+        elif dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if token not in hints:
+                rest = _dotted(tokens)[len(_dotted(tokens[: i + 1])) :]  # what follows it: [0].model
+                raise _unknown_key(f"{above}." if above else "", token, list(hints), rest)
+            child_tp = hints[token]
+        else:
+            child_tp = None
+        if i == len(tokens) - 1:
+            node[token] = value
+            return
+        child = node[token] if isinstance(token, int) else node.get(token)
+        if child is None:  # not in the file; a list starts as its default entries, for an index to find
+            listed = typing.get_origin(child_tp) is list and dataclasses.is_dataclass(tp)
+            child = node[token] = to_dict(_field_default(tp, token)) if listed else {}
+        node, tp = child, child_tp
+
+
+def _first_leaf(value: Any) -> str:
+    """What follows an unknown key down to its first leaf: `.actor.clip_ratio_low` for
+    {actor: {clip_ratio_low: ...}}, "" for a plain value."""
+    rest = ""
+    while isinstance(value, dict) and value:
+        key, value = next(iter(value.items()))
+        rest += f".{key}"
+    return rest
+
+
+def _paths_named(name: str, cls: type = Config, prefix: str = "") -> list[str]:
+    """Keys below the top level (outside lists of entries) whose last part is `name`: where a
+    key written at the top level belongs (judges -> reward.judges)."""
+    found = []
+    for f_name, tp in typing.get_type_hints(cls).items():
+        if f_name == name and prefix:
+            found.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            found += _paths_named(name, tp, f"{prefix}{f_name}.")
+    return found
+
+
+def _unknown_key(prefix: str, key: str, names: list[str], rest: str = "") -> ConfigError:
+    """One line for a key its section lacks (`prefix` + `key`, then `rest` down to a leaf):
+    the keys close to it (difflib; a verl name with the key it becomes) and what the section
+    allows."""
+    full = f"{prefix}{key}{rest}"
+    if full in VERL_KEYS:  # a verl name in a file: only overrides translate them
+        return ConfigError(
+            f"config key '{full}' is a verl name, which only command-line overrides take; write {VERL_KEYS[full]}"
+        )
+
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    scored = [(ratio(key, n), f"{prefix}{n}{rest}", False) for n in names]
+    parent, _, leaf = full.rpartition(".")  # verl names: the mistyped leaf among its siblings
+    scored += [
+        (ratio(leaf, name.rpartition(".")[2]), f"{name} ({ours})", True)
+        for name, ours in VERL_KEYS.items()
+        if name.rpartition(".")[0] == parent
+    ]
+    best = max((s for s, _, _ in scored), default=0.0)
+    # difflib's usual cutoff, and only those about as close as the best (clip_ratio_low, not _c)
+    close = sorted((x for x in scored if x[0] >= max(0.6, best - 0.1)), reverse=True)[:3]
+    verl = any(is_verl for _, _, is_verl in close)
+    suggestions = [shown for _, shown, _ in close]
+    if not suggestions and not prefix:  # a section's key written at the top level
+        suggestions = [path + rest for path in _paths_named(key)][:3]
+    hint = f"; did you mean {' or '.join(suggestions)}?" if suggestions else ""
+    verl_roots = {name.split(".")[0] for name in VERL_KEYS} - {f.name for f in dataclasses.fields(Config)}
+    if verl or full.split(".")[0] in verl_roots:
+        unmapped = ": not a verl name grouprl translates (see grouprl.config.VERL_KEYS)"
+        return ConfigError(f"unknown config key '{full}'{hint or unmapped}")
+    section = prefix.rstrip(".") or "the top level"
+    return ConfigError(f"unknown config key '{prefix}{key}'{hint or ';'} allowed in {section}: {', '.join(names)}")
 
 
 def _check_structure(tree: Any, cls: type, prefix: str = "") -> None:
@@ -1049,8 +1198,7 @@ def _check_structure(tree: Any, cls: type, prefix: str = "") -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     for key, value in tree.items():
         if key not in names:
-            section = prefix.rstrip(".") or "the top level"
-            raise ConfigError(f"unknown config key '{prefix}{key}'; allowed in {section}: {', '.join(names)}")
+            raise _unknown_key(prefix, key, names, _first_leaf(value))
         if dataclasses.is_dataclass(hints[key]):
             _check_structure(value, hints[key], f"{prefix}{key}.")
 

@@ -83,3 +83,81 @@ def test_works_across_event_loops():
     assert recorder.batches == [[1], [2]]
     with pytest.raises(ValueError):
         MicroBatcher(recorder, max_batch=0)
+
+
+def test_max_cost_bounds_a_batch_and_one_costly_item_still_runs():
+    recorder = Recorder(delay=0.02)
+    batcher = MicroBatcher(recorder, window_s=0.0, max_batch=10, max_cost=10, cost=lambda item: item)
+
+    async def run():
+        return await asyncio.gather(*(batcher.submit(i) for i in (3, 4, 5, 30, 1, 2)))
+
+    assert asyncio.run(run()) == [30, 40, 50, 300, 10, 20]
+    # 3 + 4 fit in 10, 5 does not; 30 alone is over the bound but runs by itself
+    assert recorder.batches == [[3, 4], [5], [30], [1, 2]]
+
+
+def test_calls_cancelled_while_waiting_are_not_run():
+    recorder = Recorder(delay=0.05)
+    batcher = MicroBatcher(recorder, window_s=0.0, max_batch=2)
+
+    async def run():
+        calls = [asyncio.ensure_future(batcher.submit(i)) for i in range(6)]
+        await asyncio.sleep(0.01)  # [0, 1] is running, the rest wait
+        calls[2].cancel()
+        calls[4].cancel()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(run())
+    assert [type(o) if isinstance(o, BaseException) else o for o in outcomes] == [
+        0,
+        10,
+        asyncio.CancelledError,
+        30,
+        asyncio.CancelledError,
+        50,
+    ]
+    assert recorder.batches == [[0, 1], [3, 5]]
+
+
+def test_isolating_failures_fails_only_the_bad_items():
+    async def fussy(items):
+        fussy.batches.append(list(items))
+        if 13 in items or 6 in items:
+            raise ValueError(f"unlucky batch {items}")
+        return [item * 10 for item in items]
+
+    fussy.batches = []
+    batcher = MicroBatcher(fussy, window_s=0.01, isolate_failures=True)
+
+    async def run():
+        return await asyncio.gather(
+            *(batcher.submit(i) for i in [1, 13, 2, 3, 13, 4, 5, 6]), return_exceptions=True
+        )
+
+    outcomes = asyncio.run(run())
+    assert [str(o) if isinstance(o, ValueError) else o for o in outcomes] == [
+        10,
+        "unlucky batch [13]",
+        20,
+        30,
+        "unlucky batch [13]",
+        40,
+        50,
+        "unlucky batch [6]",
+    ]
+    # halves of the failed batch until each failure is alone (duplicates once)
+    assert fussy.batches == [
+        [1, 13, 2, 3, 4, 5, 6],
+        [1, 13, 2],
+        [1],
+        [13, 2],
+        [13],
+        [2],
+        [3, 4, 5, 6],
+        [3, 4],
+        [5, 6],
+        [5],
+        [6],
+    ]
+    assert batcher.batches == 11

@@ -65,6 +65,12 @@ def test_build_writes_an_index_and_reports_it(tmp_path, capsys, monkeypatch):
 def test_parser_defaults_and_choices(capsys):
     args = parse("retriever", "serve", "--index", "idx")
     assert (args.host, args.port, args.mode, args.top_k, args.max_top_k) == ("127.0.0.1", 8002, None, 5, 100)
+    assert (args.max_queries, args.max_query_chars, args.max_body_bytes, args.request_timeout) == (
+        1024,
+        100_000,
+        1_048_576,
+        30.0,
+    )
     args = parse("retriever", "build", "--corpus", "c.jsonl", "--out", "o")
     assert (args.model, args.mode, args.fusion_k, args.candidates) == (
         "builtin:all-minilm-l6-v2",
@@ -89,6 +95,12 @@ def test_user_mistakes_are_user_errors(tmp_path):
     args = parse("retriever", "serve", "--index", str(tmp_path), "--top-k", "20", "--max-top-k", "10")
     with pytest.raises(ConfigError, match=r"--top-k must be from 1 to --max-top-k \(10\), got 20"):
         args.func(args)
+    args = parse("retriever", "serve", "--index", str(tmp_path), "--max-body-bytes", "0")
+    with pytest.raises(ConfigError, match=r"^--max-body-bytes must be > 0, got 0$"):
+        args.func(args)
+    args = parse("retriever", "serve", "--index", str(tmp_path), "--request-timeout", "nan")
+    with pytest.raises(ConfigError, match=r"^--request-timeout must be > 0, got nan$"):
+        args.func(args)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -96,6 +108,43 @@ def test_user_mistakes_are_user_errors(tmp_path):
         args = parse("retriever", "serve", "--index", str(tmp_path), "--port", str(port))
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: "):
             args.func(args)
+
+
+def test_serve_hands_its_limits_to_the_service(retriever, monkeypatch, capsys):
+    import grouprl.retriever.service as service_module
+
+    served = {}
+    monkeypatch.setattr(index_module.Retriever, "load", lambda path, mode=None: retriever)
+    monkeypatch.setattr(service_module, "serve", lambda retriever, **options: served.update(options))
+    args = parse(
+        "retriever",
+        "serve",
+        "--index",
+        "idx",
+        "--port",
+        "0",
+        "--max-queries",
+        "10",
+        "--max-query-chars",
+        "500",
+        "--max-body-bytes",
+        "2048",
+        "--request-timeout",
+        "2.5",
+    )
+    assert args.func(args) == 0
+    assert served == {
+        "host": "127.0.0.1",
+        "port": 0,
+        "log_level": "info",
+        "default_top_k": 5,
+        "max_top_k": 100,
+        "max_queries": 10,
+        "max_query_chars": 500,
+        "max_body_bytes": 2048,
+        "request_timeout_s": 2.5,
+    }
+    capsys.readouterr()
 
 
 @pytest.mark.slow

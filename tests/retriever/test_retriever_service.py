@@ -92,6 +92,25 @@ def test_top_k_per_item_and_as_query_parameter(service):
         ([{"query": "x", "top_k": "3"}], {}, 422, "item 0: top_k must be an integer from 1 to 5, got '3'"),
         ([{"query": "x"}], {"top_k": 6}, 422, "top_k must be an integer from 1 to 5, got 6"),
         ([{"query": "x"}], {"top_k": "many"}, 422, "top_k must be an integer from 1 to 5, got 'many'"),
+        (
+            [{"query": "x", "top_k": 10**50}],
+            {},
+            422,
+            "item 0: top_k must be an integer from 1 to 5, got 1000000000000000000000000000000000000...",
+        ),
+        (
+            b"[" + b"7" * 5000 + b"]",
+            {},
+            400,
+            "body holds a number too long to read; expected a list of {query, id} objects",
+        ),
+        (b"[" * 100_000, {}, 400, "body is nested too deeply; expected a list of {query, id} objects"),
+        (
+            b'[{"query": ' * 50_000,
+            {},
+            400,
+            "body is nested too deeply; expected a list of {query, id} objects",
+        ),
     ],
 )
 def test_bad_requests_get_a_clear_4xx(service, body, params, status, detail):

@@ -86,10 +86,10 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, uninterr
         first = Trainer(config(tmp_path, model_dir, *settings, "trainer.test_freq=2", "trainer.save_freq=0"))
         real_evaluate = first.evaluate
 
-        def evaluate_then_ctrl_c():
+        def evaluate_then_ctrl_c(**kwargs):
             if first.step == 2:
                 raise KeyboardInterrupt
-            return real_evaluate()
+            return real_evaluate(**kwargs)
 
         monkeypatch.setattr(first, "evaluate", evaluate_then_ctrl_c)
         with pytest.raises(KeyboardInterrupt):
@@ -133,7 +133,7 @@ def test_ctrl_c_during_an_update_saves_nothing(tmp_path, model_dir, monkeypatch,
 def test_ctrl_c_before_the_first_step_saves_nothing(tmp_path, model_dir, monkeypatch, capsys):
     trainer = Trainer(config(tmp_path, model_dir))
 
-    def ctrl_c():
+    def ctrl_c(**kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer, "evaluate", ctrl_c)  # during the baseline evaluation

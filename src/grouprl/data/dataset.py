@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from grouprl.data.layout import LAYOUTS, layout_of, read_json, read_text
 from grouprl.data.sample import Sample
 from grouprl.errors import DataError
 from grouprl.vision.images import IMAGE_PLACEHOLDER, ImageError, check_image, count_placeholders, resolve
@@ -25,10 +26,6 @@ logger = logging.getLogger(__name__)
 SUFFIXES = (".parquet", ".jsonl", ".json")
 VERL_COLUMNS = ("data_source", "prompt", "images", "reward_model", "extra_info")
 PLAIN_COLUMNS = ("id", "question", "answer", "images", "gold_docs", "system", "data_source")
-LAYOUTS = (
-    "verl layout (prompt, optional reward_model, extra_info, images, data_source) "
-    "or plain layout (question, optional answer, id, images, gold_docs, system)"
-)
 
 
 def load_samples(paths: list[str], *, max_samples: int = 0) -> list[Sample]:
@@ -47,7 +44,7 @@ def load_samples(paths: list[str], *, max_samples: int = 0) -> list[Sample]:
         records, columns = read_records(path)
         if not records:
             raise DataError(f"dataset {path} is empty")
-        samples.extend(_to_samples(records, columns, path))
+        samples.extend(to_samples(records, columns, path))
         if 0 < max_samples <= len(samples):
             break
     if max_samples > 0:
@@ -64,7 +61,7 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     if suffix == ".parquet":
         return _read_parquet(path)
     if suffix in (".jsonl", ".json"):
-        records = _read_jsonl(path) if suffix == ".jsonl" else _read_json(path)
+        records = _read_jsonl(path) if suffix == ".jsonl" else read_json(path)
         columns = list(dict.fromkeys(key for record in records for key in record))
         return [_plain(record) for record in records], columns
     raise DataError(f"unknown dataset extension {path.suffix!r} for {path}: use {', '.join(SUFFIXES)}")
@@ -85,7 +82,7 @@ def _read_parquet(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     records = []
     # split on "\n" only: JSON strings may hold U+2028, which str.splitlines would break on
-    for line_number, line in enumerate(_read_text(path).split("\n"), start=1):
+    for line_number, line in enumerate(read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -96,23 +93,6 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
             raise DataError(f"{path} line {line_number} is a {type(record).__name__}, expected an object")
         records.append(record)
     return records
-
-
-def _read_json(path: Path) -> list[dict[str, Any]]:
-    try:
-        records = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise DataError(f"bad JSON in {path} line {e.lineno}: {e.msg}") from None
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise DataError(f"{path} must hold a JSON list of objects (one per sample)")
-    return records
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"cannot read {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -133,13 +113,17 @@ def _plain(value: Any) -> Any:
 
 
 # -- layouts ---------------------------------------------------------------------------
-def _to_samples(records: list[dict[str, Any]], columns: list[str], path: Path) -> list[Sample]:
-    if "prompt" in columns:
+def to_samples(records: list[dict[str, Any]], columns: list[str], path: Path) -> list[Sample]:
+    """The file's records as Samples, in the layout its columns say (`layout.layout_of`)."""
+    kind = layout_of(columns)
+    if kind == "verl":
         return [_verl_sample(record, path, row) for row, record in enumerate(records)]
-    if "question" in columns:
+    if kind == "plain":
         if "answer" not in columns:  # fine for prompts scored without a reference; a typo otherwise
             logger.warning("%s has no 'answer' column: its samples have no ground truth", path)
         return [_plain_sample(record, path, row) for row, record in enumerate(records)]
+    if "messages" in columns:
+        raise DataError(f"{path} holds conversations (messages), the format of grouprl sft; RL data needs the {LAYOUTS}")
     raise DataError(f"{path} has columns {', '.join(columns) or 'none'}; expected the {LAYOUTS}")
 
 

@@ -24,6 +24,15 @@ def encode_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     return _flat_ids(encoded)
 
 
+def with_system_prompt(messages: list[dict[str, Any]], text: str | None) -> list[dict[str, Any]]:
+    """`messages` with `text` as the system message (replacing a first one; None: unchanged):
+    data.system_prompt, applied alike wherever a prompt of a data file is read."""
+    if text is None:
+        return messages
+    rest = messages[1:] if messages and messages[0].get("role") == "system" else messages
+    return [{"role": "system", "content": text}, *rest]
+
+
 def _text(content: Any) -> str:
     if isinstance(content, list):  # multimodal content parts: keep the text ones
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))

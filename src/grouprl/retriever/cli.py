@@ -2,6 +2,8 @@
 
 grouprl retriever build --corpus corpus.jsonl --out index/ [--model builtin:all-minilm-l6-v2]
 grouprl retriever serve --index index/ [--port 8002] [--host 127.0.0.1] [--mode hybrid]
+                        [--max-queries 1024] [--max-query-chars 100000] [--max-body-bytes 1048576]
+                        [--request-timeout 30]
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ import socket
 from grouprl.errors import ConfigError
 from grouprl.retriever.embed import DEFAULT_EMBEDDING_MODEL
 from grouprl.retriever.fusion import DEFAULT_RRF_K, MODES
-from grouprl.retriever.service import DEFAULT_TOP_K, MAX_TOP_K
+from grouprl.retriever.service import (
+    DEFAULT_TOP_K,
+    MAX_BODY_BYTES,
+    MAX_QUERIES,
+    MAX_QUERY_CHARS,
+    MAX_TOP_K,
+    REQUEST_TIMEOUT_S,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,6 +64,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-top-k", type=int, default=MAX_TOP_K, help="largest top_k a request may ask for")
     serve.add_argument(
+        "--max-queries", type=int, default=MAX_QUERIES, help="most queries one request may hold (422 beyond)"
+    )
+    serve.add_argument(
+        "--max-query-chars",
+        type=int,
+        default=MAX_QUERY_CHARS,
+        help="most characters the queries of one request may hold together (413 beyond)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help="largest request body in bytes (413 beyond)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT_S,
+        help="seconds a request may take; past them it gets 503 and its remaining queries are dropped",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="uvicorn log level"
     )
     serve.set_defaults(func=cmd_serve)
@@ -86,6 +116,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 1 <= args.top_k <= args.max_top_k:
         raise ConfigError(f"--top-k must be from 1 to --max-top-k ({args.max_top_k}), got {args.top_k}")
+    for name in ("max_queries", "max_query_chars", "max_body_bytes", "request_timeout"):
+        if not getattr(args, name) > 0:  # NaN too
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name):g}")
     _check_port_free(args.host, args.port)
     retriever = Retriever.load(args.index, mode=args.mode)
     retriever.search(["warm-up"], top_k=1)  # load the embedder before the first request
@@ -97,6 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         default_top_k=args.top_k,
         max_top_k=args.max_top_k,
+        max_queries=args.max_queries,
+        max_query_chars=args.max_query_chars,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
     )
     return 0
 

@@ -1,19 +1,24 @@
 """Async client of the retrieval service (see service.py for the API).
 
-Connection errors, timeouts and 5xx replies are retried with exponential backoff
-(`backoff * 2**attempt` seconds); a 4xx reply (our request is wrong) or a reply that is not
-the expected JSON fails at once. Every failure the caller sees is a `RetrievalServiceError`
-(a `UserError`) whose one line names the URL and the cause.
+A search call goes out as requests that a service with the default limits accepts (at most
+`MAX_QUERIES` queries and a body of at most `MAX_QUERY_CHARS` bytes each, so at most that many
+characters of query text), one after another. Connection errors, timeouts and 5xx replies
+(503: the service's deadline passed) are retried with exponential backoff
+(`backoff * 2**attempt` seconds); a 4xx reply (our request is wrong: 400, 413 too big, 422 a bad
+query) or a reply that is not the expected JSON fails at once. Every failure the caller sees is
+a `RetrievalServiceError` (a `UserError`) whose one line names the URL and the cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
 
 from grouprl.errors import UserError
+from grouprl.retriever.service import MAX_QUERIES, MAX_QUERY_CHARS
 
 
 class RetrievalServiceError(UserError):
@@ -55,13 +60,27 @@ class RetrievalClient:
         """Hits per query, each {id, score, text, title, image, rank} like `Retriever.search`."""
         if not queries:
             return []
-        payload = [{"query": q, "id": str(i)} for i, q in enumerate(queries)]
-        reply = await self._request("POST", "/search", json=payload, params={"top_k": top_k})
-        if not isinstance(reply, list) or len(reply) != len(queries):
-            raise RetrievalServiceError(
-                f"retrieval service at {self.url} answered {len(queries)} queries with "
-                f"{len(reply) if isinstance(reply, list) else type(reply).__name__}"
+        # ASCII JSON: text that UTF-8 cannot encode (a lone surrogate) reaches the service as an
+        # escape and comes back as its one-line 422, instead of failing here in httpx's encoder
+        items = [json.dumps({"query": q, "id": str(i)}) for i, q in enumerate(queries)]
+        parts = _parts(items)
+        reply: list[Any] = []
+        for start, end in parts:
+            what = "the request" if len(parts) == 1 else f"the request for queries {start} to {end - 1}"
+            answered = await self._request(
+                "POST",
+                "/search",
+                what=what,
+                content="[" + ",".join(items[start:end]) + "]",
+                headers={"content-type": "application/json"},
+                params={"top_k": top_k},
             )
+            if not isinstance(answered, list) or len(answered) != end - start:
+                raise RetrievalServiceError(
+                    f"retrieval service at {self.url} answered {end - start} queries with "
+                    f"{len(answered) if isinstance(answered, list) else type(answered).__name__}"
+                )
+            reply += answered
         try:
             return [
                 [
@@ -85,7 +104,7 @@ class RetrievalClient:
     async def health(self) -> dict[str, Any]:
         return await self._request("GET", "/health")
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(self, method: str, path: str, *, what: str = "the request", **kwargs: Any) -> Any:
         problem = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -103,7 +122,7 @@ class RetrievalClient:
                 continue
             if response.status_code >= 400:
                 raise RetrievalServiceError(
-                    f"retrieval service at {self.url} rejected the request: HTTP {response.status_code}: "
+                    f"retrieval service at {self.url} rejected {what}: HTTP {response.status_code}: "
                     f"{_excerpt(response)}"
                 )
             try:
@@ -117,6 +136,19 @@ class RetrievalClient:
         raise RetrievalServiceError(
             f"retrieval service at {self.url} failed after {attempts} attempt{'s' * (attempts != 1)}: {problem}"
         )
+
+
+def _parts(items: list[str]) -> list[tuple[int, int]]:
+    """[start, end) spans of JSON-encoded items, each a body the default limits accept (a single
+    item over them still goes alone, and the service's 413 says why)."""
+    spans, start, size = [], 0, 2  # the brackets
+    for i, item in enumerate(items):
+        if i > start and (i - start == MAX_QUERIES or size + len(item) + 1 > MAX_QUERY_CHARS):
+            spans.append((start, i))
+            start, size = i, 2
+        size += len(item) + 1  # and its comma
+    spans.append((start, len(items)))
+    return spans
 
 
 def _excerpt(response: httpx.Response, limit: int = 200) -> str:

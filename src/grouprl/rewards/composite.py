@@ -15,6 +15,11 @@ retries, failures, latency_s}` plus the mean of each score field, `judge/<name>/
 A failed judge call takes the judge's `fallback`, or with `on_failure: drop_group` the value
 NaN: the trajectory's `reward` is then NaN, `groups_to_drop(trajectories)` names its group,
 and `reward/dropped` counts such trajectories (means and std skip them).
+
+A judge that stopped answering must not train a run on fallbacks: `judge_report()` tells, per
+judge, the calls and failures since it was last asked and the failed calls in a row, and
+`judges_down(every rank's reports, ...)` says whether reward.max_consecutive_failures or
+reward.max_failed_share was passed (the trainer then saves and stops).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.config import RewardConfig, judge_name, model_name, stages_of
-from grouprl.errors import ConfigError
+from grouprl.errors import ConfigError, UserError
 from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rewards.judges.component import JudgeComponent
 from grouprl.rewards.loader import load_reward_function
@@ -146,6 +152,42 @@ def _run_to_completion(coroutine: Coroutine[Any, Any, Any]) -> Any:
         return pool.submit(asyncio.run, coroutine).result()
 
 
+class JudgeUnavailableError(UserError):
+    """A judge failed too often (reward.max_consecutive_failures / max_failed_share); the run stops."""
+
+
+@dataclass
+class JudgeTally:
+    """One judge's calls in one process since the last report, and its failed calls in a row."""
+
+    calls: int = 0
+    failures: int = 0
+    in_row: int = 0
+    error: str = ""  # the last failure's
+
+
+def judges_down(reports: list[dict[str, JudgeTally]], max_in_row: int, max_share: float) -> str | None:
+    """Why the run must stop for a judge, given every rank's `judge_report()` (the same answer on
+    every rank), or None. Failures in a row add up over the ranks (each counts its own calls)."""
+    for name in sorted({name for report in reports for name in report}):
+        tallies = [report[name] for report in reports if name in report]
+        calls, failures = sum(t.calls for t in tallies), sum(t.failures for t in tallies)
+        in_row = sum(t.in_row for t in tallies)
+        error = next((t.error for t in reversed(tallies) if t.error), "")
+        error = (error.splitlines() or [""])[0][:200]
+        if max_in_row and in_row >= max_in_row:
+            return (
+                f"judge {name!r} failed {in_row} calls in a row (reward.max_consecutive_failures="
+                f"{max_in_row}; last error: {error})"
+            )
+        if calls and failures / calls > max_share:
+            return (
+                f"judge {name!r} failed {failures} of {calls} calls (more than reward.max_failed_share="
+                f"{max_share:g}; last error: {error})"
+            )
+    return None
+
+
 def groups_to_drop(trajectories: list[Trajectory]) -> set[str]:
     """Group ids (uids) with a NaN reward (a judge failure under on_failure: drop_group): the
     trainer leaves these whole groups out of the advantage and the update."""
@@ -207,6 +249,28 @@ class CompositeReward:
             [index[n] for n in stage] for stage in stages_of({c.name: c.gate for c in components})
         ]
         self._reported: set[str] = set()  # components whose first failure was logged
+        self._tally: dict[str, JudgeTally] = {}  # judge name -> calls since judge_report()
+        self._tally_lock = threading.Lock()  # streaming scores on its own thread
+
+    @property
+    def drops(self) -> bool:
+        """Whether a failure can drop a group (a component with on_failure: drop_group)."""
+        return any(c.on_failure == "drop_group" for c in self.components)
+
+    def judge_report(self) -> dict[str, JudgeTally]:
+        """Per judge: the calls and failures scored since the last report (which this one
+        resets), and its failed calls in a row now (run-long)."""
+        with self._tally_lock:
+            tally, self._tally = self._tally, {}
+        report = {}
+        for c in self.components:
+            if isinstance(c.fn, JudgeComponent):
+                judge = c.fn.judge
+                name = getattr(judge, "name", c.name)
+                t = report.setdefault(name, tally.get(name, JudgeTally()))
+                t.in_row = getattr(judge, "consecutive_failures", 0)
+                t.error = t.error or getattr(judge, "last_error", "")  # else the last call sent that failed
+        return report
 
     @classmethod
     def from_config(
@@ -249,7 +313,11 @@ class CompositeReward:
                         log_path = Path(run_dir) / log_name if run_dir is not None else None
                         share = share_of_cap(judge_cfg.max_concurrent_requests, rank, world, f"judge {name!r}")
                         judge_cfg = dataclasses.replace(judge_cfg, max_concurrent_requests=share)
-                        judges[name] = JudgeClient(judge_cfg, log_path=log_path)
+                        judges[name] = JudgeClient(
+                            judge_cfg,
+                            log_path=log_path,
+                            max_consecutive_failures=cfg.max_consecutive_failures,
+                        )
                     fn = JudgeComponent(judges[name], judge_cfg.image_base_path)
                     extra = {"on_failure": judge_cfg.on_failure, "fallback": judge_cfg.fallback}
                 components.append(
@@ -348,7 +416,22 @@ class CompositeReward:
         metrics.update({f"reward/gated/{name}": float(count) for name, count in gated.items()})
         for name, results in judged.items():
             metrics.update(_judge_metrics(name, results))
+        self._count_judged(judged)
         return metrics
+
+    def _count_judged(self, judged: dict[str, list[JudgeResult]]) -> None:
+        with self._tally_lock:
+            for c in self.components:
+                results = judged.get(c.name)
+                if not results:
+                    continue
+                t = self._tally.setdefault(getattr(c.fn.judge, "name", c.name), JudgeTally())
+                t.calls += len(results)
+                failed = [r for r in results if not r.ok]
+                t.failures += len(failed)
+                sent = [r for r in failed if r.attempts]
+                if sent or (failed and not t.error):  # the judge's own words before "not called" / bad input
+                    t.error = (sent or failed)[-1].error or "judge failed"
 
     def _failure_value(self, component: RewardComponent) -> float:
         if component.on_failure == "drop_group":

@@ -67,22 +67,15 @@ class StreamingRewards:
         """Wait for every submitted group; the merged metrics of this batch. `generation_end`
         (perf_counter) is when generation finished, for the hidden-time metrics."""
         generation_end = time.perf_counter() if generation_end is None else generation_end
-        merged: dict[str, float] = {}
-        weights: dict[str, float] = {}
+        parts = []
         trajectories: list[Trajectory] = []
         for group, future in self._pending:
             metrics = future.result()  # a reward component's fault is already a fallback, not raised
             trajectories += group
-            for key, value in metrics.items():
-                if key.startswith("reward/") and not _is_count(key):
-                    continue  # recomputed over the whole batch below
-                if _is_count(key):
-                    merged[key] = merged.get(key, 0.0) + value
-                elif not math.isnan(value):  # a mean over the group: weight it by the group's size
-                    merged[key] = merged.get(key, 0.0) + value * len(group)
-                    weights[key] = weights.get(key, 0.0) + len(group)
-        for key, weight in weights.items():
-            merged[key] /= weight
+            # reward means are recomputed over the whole batch below
+            kept = {k: v for k, v in metrics.items() if _is_count(k) or not k.startswith("reward/")}
+            parts.append((len(group), kept))
+        merged = combine(parts)
         merged.update(batch_summary(trajectories))
         done = time.perf_counter()
         intervals = sorted((start, min(end, done)) for start, end in self._intervals)
@@ -97,6 +90,24 @@ class StreamingRewards:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+def combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Reward metrics of several parts (groups, ranks) as one, from (weight, metrics) pairs:
+    counts summed, the rest means weighted by `weight` (the part's trajectories) where the part
+    has a value (not NaN). Every key of any part is kept; one no part has a value for is NaN."""
+    totals: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for weight, metrics in parts:
+        for key, value in metrics.items():
+            totals.setdefault(key, 0.0)
+            weights.setdefault(key, 0.0)
+            if _is_count(key):
+                totals[key] += value
+            elif not math.isnan(value):
+                totals[key] += value * weight
+                weights[key] += weight
+    return {k: v if _is_count(k) else v / weights[k] if weights[k] else math.nan for k, v in totals.items()}
 
 
 def _covered(intervals: list[tuple[float, float]], until: float) -> float:

@@ -18,6 +18,12 @@ safetensors file per rank with its shard offsets in the file's header (DCP's Hug
 storage, no pickled metadata). DCP reads the shards back into any other sharding, so a run
 saved on N ranks resumes on M (one process included); a one-process checkpoint holds whole
 tensors and resumes on any number of ranks too. Several nodes need a shared run folder.
+
+A writer killed mid-write (kill -9, a lost node) leaves its temp folder behind, as large as a
+checkpoint; `CheckpointManager.sweep` removes those of this run (and of its exports) when the
+next run starts, by their exact naming. A step saved again (an interrupt after a save) moves
+the old folder aside by a rename rather than removing it first, so a kill leaves the step
+missing for an instant only, not for the length of a removal.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import logging
 import os
 import pickle
 import random
+import re
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -39,6 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grouprl.errors import UserError
+from grouprl.trainer.export import RANDOM_PART, stale_temp_folders
 from grouprl.trainer.parallel import full_tensor, inner
 
 log = logging.getLogger(__name__)
@@ -47,6 +56,21 @@ MANIFEST = "manifest.json"
 FORMAT = 2
 SHARDED = "sharded"  # DCP folder of a checkpoint written by several ranks
 _SHARD_MARK = "__sharded__"  # in optim.pt: this state tensor lives in sharded/ (value: its dtype)
+# save()'s temp folders: ".tmp-step_<N>" then mkdtemp's part (one process), or alone (several
+# ranks: one name every rank knows)
+_TEMP = re.compile(rf"\.tmp-step_(\d+)(?:-{RANDOM_PART})?")
+
+
+def _temp_name(step: int) -> str:
+    return f".tmp-step_{step}"
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.lstat().st_size for f in folder.rglob("*") if not f.is_dir() or f.is_symlink())
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def is_sharded(model) -> bool:
@@ -249,6 +273,38 @@ class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.swept = False  # sweep() ran
+
+    def sweep(self, exports: tuple[Path, ...] = (), *, remove: bool = True) -> list[Path]:
+        """Remove the temp folders that writes a killed run left unfinished: checkpoints' in
+        checkpoints/ and those of exports to `exports` (export_model's naming); nothing of any
+        other name. One line says what went and how big it was. Call it before this run writes
+        anything (a live writer's folder looks the same); with several ranks only one removes
+        (`remove`), the others note that it ran. Returns the folders removed."""
+        self.swept = True
+        if not remove:
+            return []
+        stale = []
+        if self.root.is_dir():
+            stale = sorted(
+                p for p in self.root.iterdir() if _TEMP.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+            )
+        for target in exports:
+            stale += stale_temp_folders(target)
+        if stale:
+            size = sum(_bytes(p) for p in stale)
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+            run = self.root.parent
+            names = ", ".join(str(p.relative_to(run)) if p.is_relative_to(run) else str(p) for p in stale)
+            log.warning(
+                "removed %d temp folder%s of writes a stopped run left unfinished (%s): %s",
+                len(stale),
+                "" if len(stale) == 1 else "s",
+                _size(size),
+                names,
+            )
+        return stale
 
     def save(
         self,
@@ -269,7 +325,7 @@ class CheckpointManager:
             "scheduler": scheduler.state_dict(),
         }
         if sharded:
-            tmp = self.root / f".tmp-step_{step}"  # one name every rank knows
+            tmp = self.root / _temp_name(step)  # one name every rank knows
             if write:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -294,7 +350,8 @@ class CheckpointManager:
             if not write:
                 return final
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step}-", dir=self.root))
+            tmp = Path(tempfile.mkdtemp(prefix=_temp_name(step) + "-", dir=self.root))
+        old = None  # a folder of the same step saved before, moved aside
         try:
             if not sharded:
                 save_file(weights, str(tmp / "model.safetensors"))
@@ -305,12 +362,17 @@ class CheckpointManager:
             (tmp / "trainer.json").write_text(json.dumps(encode_state(trainer_state, tensors)))
             save_file(tensors, str(tmp / "trainer.safetensors"))
             write_manifest(tmp)
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists():  # aside by a rename (a sweep's name), removed once the new one is in place
+                old = self.root / f"{_temp_name(step)}-{secrets.token_hex(4)}"
+                os.replace(final, old)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and not final.exists():
+                os.replace(old, final)
             raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         latest_tmp = self.root / ".latest.tmp"
         latest_tmp.write_text(final.name + "\n")
         os.replace(latest_tmp, self.root / "latest")

@@ -5,9 +5,29 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
+
+RANDOM_PART = "[a-z0-9_]{8}"  # what tempfile.mkdtemp puts after the prefix
+
+
+def temp_prefix(target: Path) -> str:
+    """How the temp folder of an export to `target` (beside it) is named: this, then mkdtemp's part."""
+    return f".tmp-{Path(target).name}-"
+
+
+def stale_temp_folders(target: Path) -> list[Path]:
+    """Temp folders of exports to `target` that are still there: a writer killed mid-write left
+    them (a finished export renames its folder; a failed one removes it)."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    name = re.compile(re.escape(temp_prefix(target)) + RANDOM_PART)
+    return sorted(
+        p for p in target.parent.iterdir() if name.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    )
 
 
 def save_into_cache(target: Path, *parts) -> None:
@@ -45,7 +65,7 @@ def export_model(
         model = plain_copy(model, state_dict)
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target), dir=target.parent))
     try:
         to_save = model
         if merge_lora and hasattr(model, "merge_and_unload"):

@@ -21,7 +21,8 @@ class Logger(Protocol):
     def close(self) -> None: ...
 
 
-def _clean(value: Any) -> Any:
+def clean(value: Any) -> Any:
+    """A JSON-safe value: NaN and inf become None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None  # strict JSON has no NaN
     return value
@@ -32,14 +33,16 @@ class JsonlLogger:
         self.file = open(path, "a", buffering=1)
 
     def log(self, metrics, step):
-        self.file.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+        self.file.write(json.dumps({"step": step, **{k: clean(v) for k, v in metrics.items()}}) + "\n")
 
     def close(self):
         self.file.close()
 
 
 class ConsoleLogger:
-    """A progress line per step with ETA and the metrics people watch."""
+    """A progress line per step with ETA and the metrics people watch: a live bar on a terminal;
+    written elsewhere (a file, a pipe), where a bar shows only when it stops, one plain line per
+    step and per evaluation chunk, as they happen."""
 
     KEYS = [
         ("reward/mean", "reward"),
@@ -51,30 +54,66 @@ class ConsoleLogger:
         ("time/step", "s/step"),
     ]
 
-    def __init__(self, total_steps: int, start_step: int = 0):
+    def __init__(self, total_steps: int, start_step: int = 0, console=None):
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+        self.console = console or Console()
+        self.plain = not (self.console.is_terminal or self.console.is_jupyter)
+        self.total, self.start_step, self.started = total_steps, start_step, time.perf_counter()
+        self.chunk_task = None
         self.progress = Progress(
-            TextColumn("[bold]step {task.completed}/{task.total}"),
+            TextColumn("[bold]{task.description} {task.completed}/{task.total}"),
             BarColumn(),
             TimeElapsedColumn(),
             TextColumn("eta"),
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
             transient=False,
+            console=self.console,
         )
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
-        self.progress.start()
+        self.task = None  # the steps' row (none for an evaluation alone: total_steps 0)
+        if not self.plain:
+            if total_steps:
+                self.task = self.progress.add_task("step", total=total_steps, completed=start_step, info="")
+            self.progress.start()
 
     def log(self, metrics, step):
         parts = [f"{short} {metrics[key]:.3g}" for key, short in self.KEYS if key in metrics]
-        self.progress.update(self.task, completed=step, info=" ".join(parts))
+        if not self.plain:
+            if self.task is not None:
+                self.progress.update(self.task, completed=step, info=" ".join(parts))
+            return
+        elapsed = time.perf_counter() - self.started
+        done = step - self.start_step
+        eta = f" eta {_clock(elapsed / done * (self.total - step))}" if 0 < done and step < self.total else ""
+        self.print(" ".join([f"step {step}/{self.total} {_clock(elapsed)}{eta}", *parts]))
+
+    def chunk(self, done: int, total: int, what: str = "eval") -> None:
+        """Progress inside a step or an evaluation: `done` of `total` items."""
+        if self.plain:
+            self.print(f"{what} {done}/{total} {_clock(time.perf_counter() - self.started)}")
+            return
+        if self.chunk_task is None:
+            self.chunk_task = self.progress.add_task(what, total=total, info="")
+        self.progress.update(self.chunk_task, completed=done, total=total)
+        if done >= total:  # the row goes once its work is done
+            self.progress.remove_task(self.chunk_task)
+            self.chunk_task = None
 
     def print(self, text: str) -> None:
-        self.progress.console.print(text, highlight=False)
+        # soft_wrap: a line written to a file is not cut at the 80 columns rich assumes there
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def close(self):
-        self.progress.stop()
+        if not self.plain:
+            self.progress.stop()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, as the bar shows time."""
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class WandbLogger:
@@ -179,9 +218,9 @@ class RolloutWriter:
                 "response": t.response_text,
                 "turns": t.turns,
                 "retrieved": t.retrieved,
-                "rewards": {k: _clean(v) for k, v in t.rewards.items()},
-                "reward": _clean(t.reward),
-                "advantage": _clean(t.advantage),
+                "rewards": {k: clean(v) for k, v in t.rewards.items()},
+                "reward": clean(t.reward),
+                "advantage": clean(t.advantage),
                 "response_tokens": len(t.response_ids),
                 "truncated": t.truncated,
                 "finish_reason": t.finish_reason,

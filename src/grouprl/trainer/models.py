@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from grouprl.config import ModelConfig
-from grouprl.errors import ModelLoadError
+from grouprl.errors import ModelLoadError, missing_local_path
 from grouprl.trainer.export import save_into_cache
 
 log = logging.getLogger(__name__)
@@ -199,8 +199,9 @@ def load_tokenizer(cfg: ModelConfig, model_path: str):
 
 def _explain_load_failure(what: str, source: str, e: Exception) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if not Path(source).exists() and ("/" not in source or source.startswith((".", "/", "~"))):
-        return f"{what} '{source}' does not exist (not a local folder, and not a hub id)"
+    missing = missing_local_path(source)
+    if missing is not None:  # transformers would call it a malformed repo id
+        return f"{what} '{source}' does not exist ({missing})"
     if not Path(source).exists():
         return (
             f"could not load {what} '{source}': not a local folder and the hub did not provide it ({first})"

@@ -9,7 +9,9 @@ prompts or observations. Each batch is sorted by length before it is cut into mi
 
 Output: `<sft.output_dir>/model` (save_pretrained + tokenizer: `model.path` for the RL phase),
 `metrics.jsonl` (train/loss per step, eval/loss), `samples.jsonl` (greedy first turns on
-held-out prompts before and after training).
+held-out prompts before and after training), and with `sft.val_rl_files` `answers.jsonl`: the
+greedy answers to RL held-out prompts, scored as `grouprl eval` scores them (a `step` field,
+then `grouprl.trainer.evaluation`'s format), with eval/accuracy in the metrics.
 """
 
 from __future__ import annotations
@@ -26,7 +28,20 @@ import torch
 import yaml
 
 from grouprl.config import Config, SFTConfig, to_dict
-from grouprl.errors import ConfigError
+from grouprl.data import load_samples
+from grouprl.data.layout import REPLY_FIELD, describe_data_file
+from grouprl.data.prompts import with_system_prompt
+from grouprl.errors import ConfigError, DataError
+from grouprl.rewards import CompositeReward
+from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.evaluation import (
+    answer_held_out,
+    answer_record,
+    metrics_of,
+    reward_config,
+    rows_of,
+    skipped_record,
+)
 from grouprl.trainer.export import export_model
 from grouprl.trainer.loggers import ConsoleLogger, make_loggers
 from grouprl.trainer.logprobs import chunked_token_stats
@@ -51,7 +66,13 @@ PROTOCOL_TURN = re.compile(
     r"|<answer>.+?</answer>)\s*$",
     re.DOTALL,
 )
-CONSOLE_KEYS = [("train/loss", "loss"), ("eval/loss", "eval"), ("train/lr", "lr"), ("time/step", "s/step")]
+CONSOLE_KEYS = [
+    ("train/loss", "loss"),
+    ("eval/loss", "eval"),
+    ("eval/accuracy", "acc"),
+    ("train/lr", "lr"),
+    ("time/step", "s/step"),
+]
 
 
 def validate_sft(s: SFTConfig) -> None:
@@ -80,10 +101,15 @@ def validate_sft(s: SFTConfig) -> None:
         "eval_max_conversations",
         "preview_samples",
         "task_val_size",
+        "val_rl_max_samples",
         "optim.warmup_steps",
     ):
         value = getattr(s.optim, key[6:]) if key.startswith("optim.") else getattr(s, key)
         need(value >= 0, f"config key 'sft.{key}' must be >= 0, got {value!r}")
+    need(
+        REPLY_FIELD in s.reply_template,
+        f"config key 'sft.reply_template' must hold {REPLY_FIELD}, got {s.reply_template!r}",
+    )
     need(s.task_train_size >= 1, f"config key 'sft.task_train_size' must be >= 1, got {s.task_train_size!r}")
     need(s.optim.lr > 0, "config key 'sft.optim.lr' must be > 0")
     need(0 <= s.optim.warmup_ratio < 1, "config key 'sft.optim.warmup_ratio' must be in [0, 1)")
@@ -99,39 +125,67 @@ def validate_sft(s: SFTConfig) -> None:
         )
 
 
-def describe_sft(cfg: Config) -> list[str]:
-    """What `grouprl sft` would do, without loading a model or writing data."""
-    s = cfg.sft
-    if s.train_files:
-        data = f"data: {', '.join(s.train_files)}" + (
-            f" (held-out: {', '.join(s.val_files)})" if s.val_files else ""
+def check_val_rl(cfg: Config) -> None:
+    """sft.val_rl_files are answered in one turn: an agent's prompts need its loop (`grouprl eval`)."""
+    if cfg.sft.val_rl_files and cfg.agent.enabled:
+        raise ConfigError(
+            "sft.val_rl_files answers single-turn prompts; with agent.enabled evaluate the saved model with grouprl eval"
         )
+
+
+def describe_sft(cfg: Config) -> list[str]:
+    """What `grouprl sft` would do, without loading a model or writing data. Each data file's
+    layout comes from its columns (`grouprl.data.layout`): a needed column absent is a DataError."""
+    s = cfg.sft
+    check_val_rl(cfg)
+
+    def files(role: str, paths: list[str], purpose: str) -> list[str]:
+        return [
+            f"data ({role}): {f}: "
+            + (describe_data_file(f, purpose, s.reply_template) if Path(f).exists() else "[WARNING: not found]")
+            for f in paths
+        ]
+
+    if s.train_files:
+        data = files("train", s.train_files, "sft") + files("held-out", s.val_files, "sft")
     else:
         folder = s.task_dir or str(Path(s.output_dir) / "data")
         ending = "the policy's own <answer>" if s.task_self_answer else "<search_complete>"
         pages = ", page images in the search observations" if s.task_page_images else ""
-        data = (
+        data = [
             f"data: built-in task '{s.task}' (seed {s.task_seed}): {s.task_train_size} train / "
             f"{s.task_val_size} held-out gold trajectories ending with {ending}{pages}, written to {folder}"
+        ]
+    if s.val_rl_files:
+        data += files("held-out accuracy", s.val_rl_files, "rl")
+        data.append(
+            f"held-out accuracy: greedy answers of <= {cfg.rollout.max_response_length} tokens scored by "
+            f"reward.val_metric={cfg.reward.val_metric}, before and after training"
+            + (f" and every {s.eval_freq} steps" if s.eval_freq else "")
         )
     steps = f"{s.max_steps} steps" if s.max_steps else f"{s.epochs} epoch(s)"
     accumulation = math.ceil(s.batch_size / s.micro_batch_size)
     lora = f" + LoRA r={cfg.model.lora.rank}" if cfg.model.lora.rank else ""
+    answers = ", answers.jsonl" if s.val_rl_files else ""
     return [
-        data,
+        *data,
         f"policy: {cfg.model.path}{lora} on {cfg.trainer.device} ({cfg.model.dtype})",
         f"run: {steps}, {s.batch_size} conversations a step in {accumulation} micro-batch(es) of "
         f"{s.micro_batch_size}, max {s.max_length} tokens ({s.overflow})",
         f"lr: {s.optim.lr:g} ({s.optim.scheduler}, warm-up {s.optim.warmup_steps or f'{s.optim.warmup_ratio:.0%}'}), "
         f"grad clip {s.optim.grad_clip:g}",
-        f"output: {Path(s.output_dir) / 'model'} (+ metrics.jsonl, samples.jsonl)",
+        f"output: {Path(s.output_dir) / 'model'} (+ metrics.jsonl, samples.jsonl{answers})",
     ]
 
 
-def load_sft_conversations(s: SFTConfig) -> tuple[list[Conversation], list[Conversation]]:
-    """Training and held-out conversations: from files, or the task's gold trajectories (written first)."""
+def load_sft_conversations(
+    s: SFTConfig, system_prompt: str | None = None
+) -> tuple[list[Conversation], list[Conversation]]:
+    """Training and held-out conversations: from files (`system_prompt`: data.system_prompt, for
+    RL-layout files), or the task's gold trajectories (written first)."""
     if s.train_files:
-        return load_conversations(s.train_files), (load_conversations(s.val_files) if s.val_files else [])
+        val = load_conversations(s.val_files, s.reply_template, system_prompt) if s.val_files else []
+        return load_conversations(s.train_files, s.reply_template, system_prompt), val
     if s.task == "shapes":  # drawn in memory: images are PNG bytes
         from grouprl.data.tasks.shapes import conversations
         from grouprl.trainer.sft_data import _conversation
@@ -300,7 +354,14 @@ def run_sft(cfg: Config) -> dict:
     random.seed(s.seed)
     torch.manual_seed(s.seed)
     out = Path(s.output_dir)
-    train_conversations, val_conversations = load_sft_conversations(s)  # data errors before the model loads
+    # data errors before the model loads
+    train_conversations, val_conversations = load_sft_conversations(s, cfg.data.system_prompt)
+    check_val_rl(cfg)
+    held_out = load_samples(s.val_rl_files, max_samples=s.val_rl_max_samples) if s.val_rl_files else []
+    for sample in held_out:  # the prompts training sees
+        sample.messages = with_system_prompt(sample.messages, cfg.data.system_prompt)
+    # reward mistakes (a missing file, an unknown judge) before the model loads too
+    reward = CompositeReward.from_config(reward_config(cfg), run_dir=out) if held_out else None
 
     device = resolve_device(cfg.trainer.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -321,6 +382,8 @@ def run_sft(cfg: Config) -> dict:
         else None
     )
     family = vision.family if vision is not None else None
+    if vision is None and any(sample.images for sample in held_out):
+        raise DataError(f"sft.val_rl_files have images but model.path '{cfg.model.path}' is a text-only model")
 
     train, train_counts = tokenize_all(tokenizer, train_conversations, s.max_length, s.overflow, vision)
     val, _ = tokenize_all(tokenizer, val_conversations, s.max_length, s.overflow, vision)
@@ -341,7 +404,7 @@ def run_sft(cfg: Config) -> dict:
     scheduler = build_scheduler(optimizer, s.optim, total_steps)
 
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "samples.jsonl"):  # a rerun in the same folder starts them afresh
+    for stale in ("metrics.jsonl", "samples.jsonl", "answers.jsonl"):  # a rerun in the same folder starts them afresh
         (out / stale).unlink(missing_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     loggers = make_loggers(
@@ -353,9 +416,9 @@ def run_sft(cfg: Config) -> dict:
         experiment=out.name,
         config=to_dict(cfg),
     )
-    for logger in loggers:
-        if isinstance(logger, ConsoleLogger):
-            logger.KEYS = CONSOLE_KEYS
+    console = next((logger for logger in loggers if isinstance(logger, ConsoleLogger)), None)
+    if console is not None:
+        console.KEYS = CONSOLE_KEYS
 
     def log_all(metrics: dict, step: int) -> None:
         for logger in loggers:
@@ -373,6 +436,26 @@ def run_sft(cfg: Config) -> dict:
                 records
             )
 
+    answers_file = (out / "answers.jsonl").open("a", encoding="utf-8") if held_out else None
+
+    def held_out_accuracy(step: int, metrics: dict) -> float:
+        """Greedy answers to the RL held-out prompts, scored; their lines in answers.jsonl."""
+        answers = answer_held_out(
+            model, tokenizer, vision, held_out, cfg, progress=console.chunk if console is not None else None
+        )
+        answered = [a for a in answers if isinstance(a, Trajectory)]
+        if not answered:
+            raise DataError(
+                f"every sft.val_rl_files prompt is longer than data.max_prompt_length={cfg.data.max_prompt_length} tokens"
+            )
+        reward.score(answered)
+        metrics.update(metrics_of(rows_of(answered, cfg.reward.val_metric), prefix="eval"))
+        for a in answers:
+            record = answer_record(a, cfg.reward.val_metric) if isinstance(a, Trajectory) else skipped_record(a)
+            answers_file.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
+        answers_file.flush()
+        return metrics["eval/accuracy"]
+
     summary: dict = {
         "steps": total_steps,
         "train_conversations": len(train),
@@ -384,6 +467,8 @@ def run_sft(cfg: Config) -> dict:
     start_metrics = {"data/skipped": train_counts["skipped"], "data/truncated": train_counts["truncated"]}
     if val:
         summary["eval_loss_before"] = start_metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
+    if held_out:
+        summary["accuracy_before"] = held_out_accuracy(0, start_metrics)
     if previews:
         write_previews("before", start_metrics)
     log_all(start_metrics, 0)
@@ -414,8 +499,11 @@ def run_sft(cfg: Config) -> dict:
             "time/step": elapsed,
             "perf/tokens_per_s": tokens / elapsed,
         }
-        if val and s.eval_freq and step % s.eval_freq == 0 and step != total_steps:
-            metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
+        if s.eval_freq and step % s.eval_freq == 0 and step != total_steps:
+            if val:
+                metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
+            if held_out:
+                held_out_accuracy(step, metrics)
         log_all(metrics, step)
         if "console" not in s.loggers:
             log.info("sft step %d/%d loss %.4f", step, total_steps, loss)
@@ -423,6 +511,10 @@ def run_sft(cfg: Config) -> dict:
     end_metrics: dict = {}
     if val:
         summary["eval_loss_after"] = end_metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
+    if held_out:
+        summary["accuracy_after"] = held_out_accuracy(total_steps, end_metrics)
+        answers_file.close()
+        reward.close()
     if previews:
         write_previews("after", end_metrics)
     log_all(end_metrics, total_steps)

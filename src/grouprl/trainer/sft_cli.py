@@ -29,8 +29,9 @@ def cmd_sft(args) -> int:
     cfg = load_config(path, items)
     if args.dry_run:
         validate_sft(cfg.sft)
+        plan = describe_sft(cfg)  # reads the data files' columns: a missing one stops here
         print("config is valid. plan:")
-        for line in describe_sft(cfg):
+        for line in plan:
             print("  " + line)
         return 0
     summary = run_sft(cfg)
@@ -40,6 +41,8 @@ def cmd_sft(args) -> int:
     ]
     if "eval_loss_before" in summary:
         parts.append(f"eval loss {summary['eval_loss_before']:.3f} -> {summary['eval_loss_after']:.3f}")
+    if "accuracy_before" in summary:
+        parts.append(f"held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}")
     if "protocol_rate_before" in summary:
         parts.append(
             f"protocol {summary['protocol_rate_before']:.0%} -> {summary['protocol_rate_after']:.0%}"

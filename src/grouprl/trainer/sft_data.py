@@ -3,9 +3,16 @@ loss mask that is 1 exactly on the assistant tokens to learn.
 
 A conversation file (jsonl, json list, or parquet) holds one record per conversation:
 `{"id"?: str, "messages": [{"role", "content"}, ...], "train_on"?: [message indices],
-"images"?: [paths or bytes]}`; without `train_on` every assistant message is trained. For a VLM,
-each `<image>` placeholder in a (not trained) message is the next image of `images`, paths
-relative to the file. Other fields are ignored.
+"images"?: [paths, bytes or {bytes, path} dicts]}`; without `train_on` every assistant message
+is trained. For a VLM, each `<image>` placeholder in a (not trained) message is the next image of
+`images`, paths relative to the file. Other fields are ignored.
+
+A file without `messages` is read as RL data (`grouprl.data.dataset`: the verl or the plain
+layout, its images and uids as RL reads them): a verl `prompt` ending with an assistant turn is
+the conversation itself (`train_on` as above); any other prompt gets its ground truth
+(`reward_model.ground_truth`, the plain layout's `answer`) as the assistant's reply, the one
+message trained, written into `reply_template` at `{ground_truth}` (default: the ground truth as
+it is; a list of accepted answers gives its first). data.system_prompt applies to RL data as in RL.
 
 Tokens are built by appending per-message deltas of the chat template, never by re-tokenizing
 a decoded text: the text the template adds for message k is `render(messages[:k+1])` minus
@@ -23,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grouprl.data.dataset import read_records
+from grouprl.data.dataset import read_records, to_samples
+from grouprl.data.layout import LAYOUTS, REPLY_FIELD, layout_of
+from grouprl.data.prompts import with_system_prompt
+from grouprl.data.sample import Sample
 from grouprl.errors import DataError
 from grouprl.vision.images import IMAGE_PLACEHOLDER, ImageError, check_image, resolve
 
@@ -50,18 +60,66 @@ class TokenizedConversation:
         return sum(self.loss_mask)
 
 
-def load_conversations(paths: list[str] | str) -> list[Conversation]:
-    """Every conversation of `paths`, checked; problems are one-line `DataError`s."""
+def load_conversations(
+    paths: list[str] | str, reply_template: str = REPLY_FIELD, system_prompt: str | None = None
+) -> list[Conversation]:
+    """Every conversation of `paths` (conversation files, or RL data: see the module docstring),
+    checked; problems are one-line `DataError`s. `system_prompt` (data.system_prompt) replaces
+    or goes before the system message of RL data, as RL's prompts get it."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise DataError("no conversation files given")
     conversations = []
     for path in map(Path, paths):
-        records, _ = read_records(path)
+        records, columns = read_records(path)
         if not records:
             raise DataError(f"conversation file {path} is empty")
-        conversations += [_conversation(record, path, row) for row, record in enumerate(records)]
+        kind = layout_of(columns, "sft")
+        if kind == "conversations":
+            conversations += [_conversation(record, path, row) for row, record in enumerate(records)]
+        elif kind is None:
+            raise DataError(
+                f"{path} has columns {', '.join(columns)}; expected conversations (messages), or the {LAYOUTS}"
+            )
+        else:
+            samples = to_samples(records, columns, path)
+            for sample in samples:
+                sample.messages = with_system_prompt(sample.messages, system_prompt)
+            truth = "reward_model.ground_truth" if kind == "verl" else "'answer'"
+            conversations += [
+                _from_sample(sample, record.get("train_on"), f"{path} record {row}", truth, reply_template)
+                for row, (sample, record) in enumerate(zip(samples, records))
+            ]
     return conversations
+
+
+def reply_from(ground_truth: Any, reply_template: str = REPLY_FIELD) -> str | None:
+    """The assistant's reply formed from a ground truth (text or a number; a list of accepted
+    answers: its first), None where it gives no text (missing, empty, or a dict)."""
+    if isinstance(ground_truth, list):
+        ground_truth = ground_truth[0] if ground_truth else None
+    if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int, float)):
+        return None
+    text = str(ground_truth)
+    return reply_template.replace(REPLY_FIELD, text) if text.strip() else None
+
+
+def _from_sample(sample: Sample, train_on: Any, where: str, truth: str, reply_template: str) -> Conversation:
+    """An RL sample as a conversation: a prompt ending with an assistant turn is one (its
+    assistant turns learned); any other gets the ground truth as the reply, the one turn learned
+    (earlier assistant turns, e.g. a few-shot example, are context). Its images were resolved
+    and checked when the sample was read."""
+    messages = _checked_messages(sample.messages, where)
+    if messages[-1]["role"] != "assistant":
+        reply = reply_from(sample.ground_truth, reply_template)
+        if reply is None:
+            raise DataError(
+                f"{where}: the prompt does not end with an assistant turn and has no {truth} "
+                "(text, a number, or a list of them) to learn as the reply"
+            )
+        messages.append({"role": "assistant", "content": reply})
+        train_on = [len(messages) - 1] if train_on is None else train_on
+    return _build(sample.uid, messages, train_on, list(sample.images), where)
 
 
 def _conversation(record: dict[str, Any], path: Path, row: int) -> Conversation:
@@ -69,14 +127,29 @@ def _conversation(record: dict[str, Any], path: Path, row: int) -> Conversation:
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    messages = _checked_messages(messages, where)
+    images = record.get("images") or []
+    images = [resolve(image, path.parent) for image in (images if isinstance(images, list) else [images])]
+    for k, image in enumerate(images):
+        try:
+            check_image(image)
+        except ImageError as e:
+            raise DataError(f"{where}: image {k}: {e}") from None
+    return _build(str(record.get("id", f"{path.stem}-{row}")), messages, record.get("train_on"), images, where)
+
+
+def _checked_messages(messages: list[Any], where: str) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: message {i} must be an object with text 'content'")
         if m.get("role") not in ROLES:
             raise DataError(f"{where}: message {i} has role {m.get('role')!r}; allowed: {', '.join(ROLES)}")
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _build(name: str, messages: list[dict[str, str]], train_on: Any, images: list, where: str) -> Conversation:
+    """The conversation, its trained messages and placeholders checked."""
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    train_on = record.get("train_on")
     if train_on is None:
         train_on = assistant
     if not isinstance(train_on, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in train_on):
@@ -88,8 +161,6 @@ def _conversation(record: dict[str, Any], path: Path, row: int) -> Conversation:
         raise DataError(f"{where}: 'train_on' index {bad[0]} is not an assistant message")
     if 0 in train_on:
         raise DataError(f"{where}: a trained assistant message needs a message before it")
-    images = record.get("images") or []
-    images = images if isinstance(images, list) else [images]
     placeholders = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
     if placeholders != len(images):
         raise DataError(
@@ -97,13 +168,7 @@ def _conversation(record: dict[str, Any], path: Path, row: int) -> Conversation:
         )
     if any(IMAGE_PLACEHOLDER in messages[i]["content"] for i in train_on):
         raise DataError(f"{where}: a trained assistant message holds an {IMAGE_PLACEHOLDER} placeholder")
-    images = [resolve(image, path.parent) for image in images]
-    for k, image in enumerate(images):
-        try:
-            check_image(image)
-        except ImageError as e:
-            raise DataError(f"{where}: image {k}: {e}") from None
-    return Conversation(str(record.get("id", f"{path.stem}-{row}")), messages, sorted(set(train_on)), images)
+    return Conversation(name, messages, sorted(set(train_on)), images)
 
 
 # -- tokens -------------------------------------------------------------------------------

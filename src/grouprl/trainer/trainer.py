@@ -30,8 +30,8 @@ from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
-from grouprl.rewards.composite import groups_to_drop
-from grouprl.rewards.streaming import StreamingRewards, batch_summary
+from grouprl.rewards.composite import JudgeUnavailableError, groups_to_drop, judges_down
+from grouprl.rewards.streaming import StreamingRewards, batch_summary, combine
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
 from grouprl.rollout.engines import SamplingParams, build_engine, rollout_phase
@@ -595,9 +595,19 @@ class Trainer:
 
     def _rollout_and_score(self) -> tuple[list[Sample], list[list[int]], list[Trajectory], dict[str, float]]:
         """Generate and score the step's groups. With curriculum.dynamic_filter, over-sample prompts
-        (at most max_oversample x B) and keep B groups whose rewards are not all equal."""
+        (at most max_oversample x B) and keep B groups whose rewards are not all equal.
+
+        Groups a failed judge dropped (on_failure: drop_group) leave the batch on every rank alike
+        (decided over every rank's groups), and the kept groups are shared out again, each rank
+        its part of every mini-batch. A mini-batch whose kept groups do not split evenly over the
+        ranks is padded: the ranks short of a group get a copy of a kept group with an all-zero
+        loss mask, which adds no term to the loss and no token or row to its denominators, so the
+        update is the one of one process on the kept groups. The pads come last in this rank's
+        lists (`self._pads` of them); train_step leaves them out of everything it reports."""
         c, n = self.cfg, self.cfg.rollout.n_agent
         clock = {"generate": 0.0, "reward": 0.0, "reward_hidden": 0.0}
+        self._pads = 0
+        self.reward.judge_report()  # an evaluation's judge calls are not this step's
 
         def generate_and_score(samples, prompts, first_group=0):
             t0 = time.perf_counter()
@@ -618,18 +628,41 @@ class Trainer:
             clock["generate"] += t1 - t0
             if self.agent is not None:
                 metrics.update(self.agent.stats)
+            if self.reward.judges:  # a judge that stopped answering stops the run, on every rank alike
+                r = c.reward
+                why = judges_down(
+                    self.ranks.gather(self.reward.judge_report()), r.max_consecutive_failures, r.max_failed_share
+                )
+                if why is not None:
+                    pre = self._pre_step_state  # the last finished step's state: this step is redone
+                    if pre is not None and pre["step"] > 0:
+                        path = self.save_checkpoint(pre)
+                        raise JudgeUnavailableError(
+                            f"{why}; saved {path}: run the same command to resume once the judge answers"
+                        )
+                    raise JudgeUnavailableError(f"{why}; nothing trained yet to save")
             return trajectories, metrics
 
         def group_rewards() -> list[list[float]]:
             return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
 
-        def keep_groups(keep: list[int]):
-            self._groups = [self._groups[g] for g in keep] if self.ranks.distributed else self._groups
-            return (
-                [samples[g] for g in keep],
-                [prompts[g] for g in keep],
-                [t for g in keep for t in trajectories[g * n : (g + 1) * n]],
-            )
+        def share_out(kept):
+            """This rank's part of every mini-batch of `kept` (the whole batch's (place, sample,
+            prompt, group) in order), a short last mini-batch padded to a multiple of the ranks."""
+            size = c.actor.mini_batch_size or len(kept)
+            places = []
+            for start in range(0, len(kept), size):
+                k = -(-min(size, len(kept) - start) // self.ranks.world)  # this rank's part, rounded up
+                places += [start + self.ranks.rank * k + i for i in range(k)]
+            self._groups = [g for g in places if g < len(kept)]
+            self._pads = len(places) - len(self._groups)
+            chosen = [kept[g] for g in self._groups]
+            if self._pads:  # the kept group with the fewest tokens to run, adding nothing to the loss
+                _, sample, prompt, group = min(kept, key=lambda x: sum(len(t.response_ids) for t in x[3]))
+                for _ in range(self._pads):
+                    pad = [dataclasses.replace(t, loss_mask=[0] * len(t.loss_mask)) for t in group]
+                    chosen.append((None, sample, prompt, pad))
+            return [x[1] for x in chosen], [x[2] for x in chosen], [t for x in chosen for t in x[3]]
 
         samples, prompts = self._next_prompts()  # the whole step's, the same on every rank
         # this rank's whole groups: its part of every mini-batch, so that each optimizer step
@@ -640,24 +673,38 @@ class Trainer:
         trajectories, metrics = generate_and_score(samples, prompts, mine)
         curriculum = isinstance(self.sampler, OnlineCurriculum)
         if curriculum and c.curriculum.dynamic_filter:
-            samples, prompts, trajectories, metrics = self._filter_groups(
-                samples, prompts, trajectories, metrics, generate_and_score
-            )
-        elif curriculum:
-            # every generated group teaches the tracker, on every rank in the same order
-            mine = [(g, s.uid, r) for g, s, r in zip(self._groups, samples, group_rewards())]
-            for _, uid, group in sorted(x for part in self.ranks.gather(mine) for x in part):
-                self.sampler.update(uid, group)
+            kept, metrics = self._filter_groups(samples, prompts, trajectories, metrics, generate_and_score)
+            samples, prompts, trajectories = share_out(kept)
+        else:
+            # a judge failed under on_failure=drop_group: the group leaves the batch on every rank
+            dropped = set()
+            if self.reward.drops:
+                dropped = set().union(*self.ranks.gather(groups_to_drop(trajectories)))
+            if curriculum:
+                # every scored group teaches the tracker, on every rank in the same order
+                mine = [
+                    (g, s.uid, r)
+                    for g, s, r in zip(self._groups, samples, group_rewards())
+                    if s.uid not in dropped
+                ]
+                for _, uid, group in sorted(x for part in self.ranks.gather(mine) for x in part):
+                    self.sampler.update(uid, group)
+            if dropped:
+                own = sum(s.uid in dropped for s in samples)  # summed over the ranks in the metrics
+                mine = [
+                    (g, s, p, trajectories[i * n : (i + 1) * n])
+                    for i, (g, s, p) in enumerate(zip(self._groups, samples, prompts))
+                ]
+                batch = sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
+                kept = [x for x in batch if x[1].uid not in dropped]
+                samples, prompts, trajectories = share_out(kept)
+                for key in ("reward/dropped", "reward/dropped_groups"):  # batch/dropped_groups says it
+                    metrics.pop(key, None)
+                metrics.update(batch_summary([t for x in kept for t in x[3]]))
+                metrics["batch/dropped_groups"] = float(own)
+                self.counters["dropped_groups"] += len(batch) - len(kept)
         if curriculum:
             metrics.update(self.sampler.metrics())
-        dropped = groups_to_drop(trajectories)  # a judge failed under on_failure=drop_group
-        if dropped:
-            samples, prompts, trajectories = keep_groups(
-                [g for g, sample in enumerate(samples) if sample.uid not in dropped]
-            )
-            metrics.update(batch_summary(trajectories))
-            metrics["batch/dropped_groups"] = float(len(dropped))
-            self.counters["dropped_groups"] += len(dropped)
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
         if self.streaming is not None:  # reward work that overlapped generation (not waited for)
             metrics["time/reward_hidden"] = clock["reward_hidden"]
@@ -665,18 +712,22 @@ class Trainer:
 
     def _filter_groups(self, samples, prompts, trajectories, metrics, generate_and_score):
         """curriculum.dynamic_filter: over-sample prompts (at most max_oversample x B) until B
-        groups whose rewards are not all equal, over every rank's groups. Refills are split over
-        the ranks like the first draw; the kept batch is then shared out again (each rank its
-        part of every mini-batch), so the run equals one process's."""
+        groups whose rewards are not all equal, over every rank's groups; a group a failed judge
+        dropped (on_failure=drop_group) counts as drawn, never as kept. Refills are split over
+        the ranks like the first draw. Returns the kept groups of the whole batch in draw order,
+        as (place, sample, prompt, trajectories), for the caller to share out again (each rank
+        its part of every mini-batch, so the run equals one process's), and the step's metrics."""
         c, n, B = self.cfg, self.cfg.rollout.n_agent, self.cfg.data.train_batch_size
-        errors = metrics.get("reward/errors", 0.0)  # this rank's, summed over ranks in the metrics
+        scored = [(len(trajectories), metrics)]  # every scoring's metrics: counts add up
+        own = list(self._groups)  # the places of the groups this rank generated
 
         def whole(places, samples, prompts, trajectories):  # every rank's groups, in batch order
             mine = [(g, samples[i], prompts[i], trajectories[i * n : (i + 1) * n]) for i, g in enumerate(places)]
             return sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
 
-        def rewards():
-            return [[t.reward for t in group] for *_, group in batch]
+        def rewards():  # a dropped group's: none (no signal)
+            dropped = groups_to_drop([t for *_, group in batch for t in group])
+            return [[] if sample.uid in dropped else [t.reward for t in group] for _, sample, _, group in batch]
 
         batch = whole(self._groups, samples, prompts, trajectories)
         while (k := prompts_to_draw(rewards(), B, c.curriculum.max_oversample)) > 0:
@@ -684,27 +735,37 @@ class Trainer:
             part = list(self.ranks.split(k))
             picked = [more_samples[i] for i in part], [more_prompts[i] for i in part]
             more, more_metrics = generate_and_score(*picked, part)
-            errors += more_metrics.get("reward/errors", 0.0)
+            scored.append((len(more), more_metrics))
+            own += [len(batch) + i for i in part]
             batch += whole([len(batch) + i for i in part], *picked, more)
-        for _, sample, _, group in batch:  # every generated group teaches the tracker
-            self.sampler.update(sample.uid, [t.reward for t in group])
-        selection = select_groups(rewards(), B)
+        found = rewards()
+        for (_, sample, _, _), group in zip(batch, found):  # every scored group teaches the tracker
+            if group:
+                self.sampler.update(sample.uid, group)
+        usable = [g for g, group in enumerate(found) if group]
+        selection = select_groups([found[g] for g in usable], B)
         self.sampler.note_selection(selection)
-        kept = [batch[g] for g in selection.keep]
-        self._groups = self.ranks.share(len(kept), block=c.actor.mini_batch_size or len(kept))
-        samples = [kept[g][1] for g in self._groups]
-        prompts = [kept[g][2] for g in self._groups]
-        trajectories = [t for g in self._groups for t in kept[g][3]]
-        metrics = {**batch_summary(trajectories), "reward/errors": errors}
+        kept = [batch[usable[g]] for g in selection.keep]
+        counted = ("reward/errors", "reward/gated/", "judge/")  # over every scoring of the step
+        metrics = combine([(w, {k: v for k, v in m.items() if k.startswith(counted)}) for w, m in scored])
+        metrics.update(batch_summary([t for x in kept for t in x[3]]))
         metrics["batch/generated_groups"] = float(len(batch))
         metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
-        return samples, prompts, trajectories, metrics
+        if len(usable) < len(batch):
+            metrics["batch/dropped_groups"] = float(sum(not found[g] for g in own))  # summed over the ranks
+            self.counters["dropped_groups"] += len(batch) - len(usable)
+        return kept, metrics
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
         c = self.cfg
         n = c.rollout.n_agent
         t0 = time.perf_counter()
+        if not self.checkpoints.swept:
+            # this process's first step: the temp folders of writes a killed run left unfinished go,
+            # removed by the first rank before any rank writes (the step's collectives follow)
+            self.checkpoints.sweep((self.run_dir / "final", self.run_dir / "best"), remove=self.ranks.main)
+            self.ranks.barrier()
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state, self._updating = self._trainer_state(), False
         self._rollout_calls = 0
@@ -712,18 +773,26 @@ class Trainer:
         with rollout_phase(self.engine):  # an engine that sleeps between rollouts wakes here
             samples, prompts, trajectories, metrics = self._rollout_and_score()
         t_reward = time.perf_counter()
-        if not self.ranks.reduce([len(trajectories)])[0]:  # every group dropped (judge failures)
+        real = len(trajectories) - self._pads * n  # this rank's rows before its pads (_rollout_and_score)
+
+        def reduced(metrics: dict[str, float]) -> dict[str, float]:
+            """One value per metric over the ranks (reduce_metrics); reward and judge metrics are
+            combined from every rank's (counts summed, means averaged where a rank has one), so a
+            key only some ranks have (a judge's scores where one rank's calls all failed) is no error."""
+            if not self.ranks.distributed:
+                return reduce_metrics(metrics, self.ranks)
+            scored = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(("reward/", "judge/"))]}
+            return {**reduce_metrics(metrics, self.ranks), **combine(self.ranks.gather((1.0, scored)))}
+
+        if not trajectories:  # every group dropped (judge failures), on every rank alike
             log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
+            metrics = reduced(metrics)
             self.step += 1
             self.counters["steps_without_update"] += 1
+            self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))
             self._pre_step_state = self._trainer_state()
             return metrics, trajectories
 
-        if self.ranks.distributed and not trajectories:
-            raise UserError(
-                "every group of one rank was dropped (judge failures): with several ranks set "
-                "reward.on_failure to a fallback score instead of drop_group"
-            )
         tensors = build_step_tensors(
             trajectories,
             self.device,
@@ -741,19 +810,21 @@ class Trainer:
         if need_ref:
             tensors.ref_log_probs = self._ref_log_probs(tensors)
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        kl_seq = None
         if c.algorithm.kl_coef > 0:  # KL as a reward penalty: r - beta * sum_t KL_t
             kl = kl_estimate(tensors.old_log_probs, tensors.ref_log_probs, c.algorithm.kl_penalty)
             kl_seq = (kl * tensors.loss_mask).sum(-1).cpu()
             rewards = rewards - c.algorithm.kl_coef * kl_seq
-            metrics["reward/kl_penalty"] = float(kl_seq.mean())
-        group_ids = [k // n for k in range(len(trajectories))]  # a group = one drawn prompt
-        advantages = compute_advantages(
-            c.algorithm.adv_estimator,
-            rewards,
-            group_ids,
-            norm_by_std=c.algorithm.norm_adv_by_std,
-            epsilon=c.algorithm.adv_epsilon,
-        )
+        group_ids = [k // n for k in range(real)]  # a group = one drawn prompt
+        advantages = torch.zeros(len(trajectories))  # a pad's: masked out of the loss anyway
+        if real:
+            advantages[:real] = compute_advantages(
+                c.algorithm.adv_estimator,
+                rewards[:real],
+                group_ids,
+                norm_by_std=c.algorithm.norm_adv_by_std,
+                epsilon=c.algorithm.adv_epsilon,
+            )
         for t, a in zip(trajectories, advantages.tolist()):
             t.advantage = a
         tensors.advantages = advantages.to(self.device)
@@ -783,22 +854,33 @@ class Trainer:
         ):
             inner(self.ref_model).load_state_dict(self.model.state_dict())
 
-        grouped = rewards.view(-1, n)
-        lengths = torch.tensor([len(t.response_ids) for t in trajectories], dtype=torch.float32)
-        gen_tokens = float(lengths.sum())
+        trajectories, prompts = trajectories[:real], prompts[: real // n]  # the pads' work is done
+        # the batch's figures over every rank's rows: the same on every rank, whatever its share
+        own = {
+            "adv": advantages[:real].tolist(),
+            "length": [len(t.response_ids) for t in trajectories],
+            "truncated": [t.truncated for t in trajectories],
+            "flat": (rewards[:real].view(-1, n).std(-1, unbiased=False) == 0).float().tolist(),
+            "kl": kl_seq[:real].tolist() if kl_seq is not None else [],
+        }
+        every = {key: [v for part in self.ranks.gather(own) for v in part[key]] for key in own}
+        adv = torch.tensor(every["adv"])
+        lengths = torch.tensor(every["length"], dtype=torch.float32)
+        if kl_seq is not None:
+            metrics["reward/kl_penalty"] = float(torch.tensor(every["kl"]).mean())
+        gen_tokens = float(sum(own["length"]))  # this rank's (tokens per second add up over the ranks)
         all_tokens = gen_tokens + sum(len(p) for p in prompts) * n
         self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
-        self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))
         metrics.update(
             {
-                "adv/mean": float(advantages.mean()),
-                "adv/std": float(advantages.std()) if len(advantages) > 1 else 0.0,
-                "adv/max": float(advantages.max()),
-                "adv/min": float(advantages.min()),
-                "batch/zero_std_groups": float((grouped.std(-1, unbiased=False) == 0).float().mean()),
+                "adv/mean": float(adv.mean()),
+                "adv/std": float(adv.std()) if len(adv) > 1 else 0.0,
+                "adv/max": float(adv.max()),
+                "adv/min": float(adv.min()),
+                "batch/zero_std_groups": float(torch.tensor(every["flat"]).mean()),
                 "response/length_mean": float(lengths.mean()),
                 "response/length_max": float(lengths.max()),
-                "response/truncated_frac": float(np.mean([t.truncated for t in trajectories])),
+                "response/truncated_frac": float(np.mean(every["truncated"])),
                 "time/old_ref_log_probs": t_prep - t_reward,
                 "time/update": t_update - t_prep,
                 "time/step": t_synced - t0,
@@ -813,7 +895,8 @@ class Trainer:
         )
         if torch.cuda.is_available() and self.device.type == "cuda":
             metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
-        metrics = reduce_metrics(metrics, self.ranks)  # one value per metric over the ranks
+        metrics = reduced(metrics)  # one value per metric over the ranks
+        self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))  # every rank's
         # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
@@ -852,8 +935,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        keep = [(s, p) for s, p in zip(self.val_samples, self.val_prompts) if p is not None]
+    def evaluate(
+        self, answers: Path | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, float]:
+        """Answers to the held-out prompts (rollout.val_temperature; 0 = greedy), scored:
+        val/accuracy (reward.val_metric), val/reward, each component, and accuracy per
+        trainer.val_breakdown value. `answers`: a folder for answers.jsonl and metrics.json
+        (`evaluation`'s format); `progress(done, total)` after each chunk of this rank's share."""
+        from grouprl.trainer.evaluation import (
+            answer_record,
+            metrics_of,
+            rows_of,
+            skipped_record,
+            write_answers,
+        )
+
+        keep = [i for i, p in enumerate(self.val_prompts) if p is not None]
         if not keep:
             return {}
         t0 = time.perf_counter()
@@ -864,33 +961,34 @@ class Trainer:
             for start in range(mine.start, mine.stop, batch):
                 chunk = keep[start : min(start + batch, mine.stop)]
                 trajectories += self.rollout(
-                    [s for s, _ in chunk], [p for _, p in chunk], 1, evaluation=True, first_group=start
+                    [self.val_samples[i] for i in chunk],
+                    [self.val_prompts[i] for i in chunk],
+                    1,
+                    evaluation=True,
+                    first_group=start,
                 )
+                if progress is not None:
+                    progress(start + len(chunk) - mine.start, len(mine))
         self.reward.score(trajectories)
         # the reward draws images: keep them for the report (decided over every rank: it gathers)
         if self.ranks.reduce([float(any(t.artifacts for t in trajectories))], "max")[0]:
             self._keep_eval_images(trajectories)
         self.reward.step_metrics()  # reward-model counters stay the training steps' own
-        metric = self.cfg.reward.val_metric
-        key = self._breakdown
-        rows = [
-            (t.reward if metric == "reward" else t.rewards[metric], t.reward, len(t.response_ids), t.rewards,
-             breakdown_value(t.sample, key))
-            for t in trajectories
-        ]
-        rows = [row for part in self.ranks.gather(rows) for row in part]
-        out = {
-            "val/accuracy": float(np.nanmean([r[0] for r in rows])),  # NaN: a failed judge (drop_group)
-            "val/reward": float(np.nanmean([r[1] for r in rows])),
-            "val/response_length": float(np.mean([r[2] for r in rows])),
-            "time/eval": time.perf_counter() - t0,
-        }
-        for name in rows[0][3]:
-            out[f"val/{name}"] = float(np.nanmean([r[3][name] for r in rows]))
-        for value in sorted({r[4] for r in rows if r[4] is not None}):
-            scores = [r[0] for r in rows if r[4] == value and not math.isnan(r[0])]
-            if scores:  # a group whose every score failed (NaN) logs nothing
-                out[f"val/accuracy/{value.replace('/', '_')}"] = float(np.mean(scores))
+        metric, key = self.cfg.reward.val_metric, self._breakdown
+        rows = rows_of(trajectories, metric, lambda sample: breakdown_value(sample, key))
+        rows = [row for part in self.ranks.gather(rows) for row in part]  # blocks in rank order: keep's order
+        out = {**metrics_of(rows), "time/eval": time.perf_counter() - t0}
+        if answers is not None:
+            records = [answer_record(t, metric) for t in trajectories]
+            records = iter([r for part in self.ranks.gather(records) for r in part])
+            if self.ranks.main:
+                answered = set(keep)
+                write_answers(
+                    answers,
+                    [next(records) if i in answered else skipped_record(s) for i, s in enumerate(self.val_samples)],
+                    {"model": self.cfg.model.path, "step": self.step, "samples": len(self.val_samples),
+                     "answered": len(keep), **out},
+                )
         self.history.append({"step": self.step, **out})
         return out
 
@@ -966,17 +1064,21 @@ class Trainer:
             else None
         )
         prompt_text = {}
-        started = time.perf_counter()
+        chunks = console.chunk if console else None  # progress inside an evaluation
         try:
             if c.val_before_train and self.step == 0 and self.val_samples:
-                val = self.evaluate()
+                val = self.evaluate(progress=chunks)
                 say(f"baseline eval: {_fmt(val)}")
                 for lg in loggers:
                     lg.log(val, self.step)
                 self._maybe_save_best(val)
+            started = time.perf_counter()  # max_time_minutes counts training, not the baseline
             while self.step < self.total_steps:
                 if c.max_time_minutes and time.perf_counter() - started > c.max_time_minutes * 60:
-                    say(f"time limit of {c.max_time_minutes} min reached at step {self.step}")
+                    say(
+                        f"time limit of {c.max_time_minutes:g} min reached at step {self.step} "
+                        "(training time; the baseline evaluation is not counted)"
+                    )
                     break
                 metrics, trajectories = self.train_step()
                 if c.log_rollouts:  # every rank's trajectories, in the batch's order
@@ -1000,7 +1102,7 @@ class Trainer:
                     and self.step < self.total_steps
                     and self.val_samples
                 ):
-                    val = self.evaluate()
+                    val = self.evaluate(progress=chunks)
                     metrics.update(val)
                     self._maybe_save_best(val)
                 for lg in loggers:
@@ -1008,7 +1110,7 @@ class Trainer:
                 if c.save_freq and self.step % c.save_freq == 0:
                     self.save_checkpoint()
             if self.val_samples and (not self.history or self.history[-1]["step"] != self.step):
-                val = self.evaluate()
+                val = self.evaluate(progress=chunks)
                 for lg in loggers:
                     lg.log(val, self.step)
                 self._maybe_save_best(val)

@@ -12,6 +12,12 @@ semaphore slot only while its request is out; retried on 429/5xx, timeouts, conn
 and unparsable output, after Retry-After (seconds) when the server sends one, else after
 exponential backoff with jitter, both capped at backoff_max_s. The call never raises for a
 judge fault: a failure is a `JudgeResult` with `error` set and NaN aggregate.
+
+Calls that reached the judge and failed after their retries are counted in a row
+(`consecutive_failures`, reset by any answer); with `max_consecutive_failures` set, reaching it
+marks the judge `down` and later calls fail at once (cache hits still answer), so a judge that
+stopped answering costs one round of timeouts, not a whole step of them. The trainer decides
+what to do about it (rewards.composite.judges_down).
 """
 
 from __future__ import annotations
@@ -98,7 +104,12 @@ class JudgeClient:
     """A judge: `await client.judge(request)` from any loop; `client.judge_many(requests)` from sync code."""
 
     def __init__(
-        self, cfg: JudgeConfig, backend: Backend | None = None, *, log_path: str | Path | None = None
+        self,
+        cfg: JudgeConfig,
+        backend: Backend | None = None,
+        *,
+        log_path: str | Path | None = None,
+        max_consecutive_failures: int = 0,
     ):
         self.cfg = cfg
         self.name = cfg.name
@@ -111,6 +122,12 @@ class JudgeClient:
         self._semaphore: asyncio.Semaphore | None = None  # made on the judge loop
         self._in_flight: dict[str, asyncio.Future] = {}  # cache key -> the call that will answer it
         self._closed = False
+        self.max_consecutive_failures = max_consecutive_failures  # 0: never marked down
+        # updated on the judge loop only: calls sent that failed in a row, the last one's error,
+        # and why calls now fail without being sent (None: they are sent)
+        self.consecutive_failures = 0
+        self.last_error = ""
+        self.down: str | None = None
 
     # -- entry points --------------------------------------------------------------------
     async def judge(self, request: JudgeRequest) -> JudgeResult:
@@ -177,15 +194,32 @@ class JudgeClient:
             shared = await asyncio.shield(self._in_flight[key])
             if shared is not None:  # None: its caller was cancelled; ask ourselves
                 return dataclasses.replace(shared, cached=True, attempts=0, latency_s=0.0)
+        if self.down is not None:
+            return JudgeResult(error=f"judge not called: {self.down}")
         future: asyncio.Future[JudgeResult | None] = asyncio.get_running_loop().create_future()
         self._in_flight[key] = future
         result = None
         try:
             result = await self._call_with_retries(prompt, key)
+            self._count(result)
         finally:
             del self._in_flight[key]
             future.set_result(result)
         return result
+
+    def _count(self, result: JudgeResult) -> None:
+        """Failed calls in a row; at max_consecutive_failures the judge is marked down."""
+        if result.attempts == 0:  # not sent: says nothing about the judge
+            return
+        if result.ok:
+            self.consecutive_failures = 0
+            return
+        self.consecutive_failures += 1
+        self.last_error = result.error or ""
+        limit = self.max_consecutive_failures
+        if limit and self.consecutive_failures >= limit and self.down is None:
+            self.down = f"{self.consecutive_failures} calls in a row failed (last: {self.last_error})"
+            logger.warning("judge %r: %s; its later calls fail without being sent", self.name, self.down)
 
     async def _call_with_retries(self, prompt: JudgePrompt, key: str) -> JudgeResult:
         cfg = self.cfg
@@ -195,6 +229,9 @@ class JudgeClient:
         for attempt in range(cfg.max_retries + 1):
             retry_after: float | None = None
             async with self._semaphore:
+                if self.down is not None:  # marked down while this call waited for a slot
+                    error = error or f"judge not called: {self.down}"
+                    break
                 attempts += 1
                 started = time.perf_counter()
                 try:

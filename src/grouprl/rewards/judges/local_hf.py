@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from grouprl.config import JudgeConfig
-from grouprl.errors import ConfigError, ModelLoadError
+from grouprl.errors import ConfigError, ModelLoadError, missing_local_path
 from grouprl.rewards.judges.base import Completion, JudgeBackendError, JudgePrompt
 
 logger = logging.getLogger(__name__)
@@ -144,13 +145,17 @@ def _load(cfg: JudgeConfig) -> tuple[Any, Any]:
         raise ConfigError(
             f"judge {cfg.name!r}: set `model` to a local folder or hub id for the local backend"
         )
+    missing = missing_local_path(cfg.model)
+    if missing is not None:  # transformers would call it a malformed repo id
+        raise ModelLoadError(f"cannot load local judge model {cfg.model!r}: it does not exist ({missing})")
+    source = os.path.expanduser(cfg.model)  # from_pretrained does not expand "~"
     device = cfg.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     except (OSError, ValueError) as e:
         first_line = (str(e).splitlines() or [""])[0]
         raise ModelLoadError(f"cannot load local judge model {cfg.model!r}: {first_line}") from None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.errors import UserError
-from grouprl.rewards.models.kinds import DRAWERS
+from grouprl.rewards.models.kinds import DRAWERS, check
 from grouprl.rewards.models.worker import serve
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,11 @@ STATS = ("items", "batches", "busy_s", "queue_max")  # per model and step
 class ModelPool:
     def __init__(self, configs: list, cache_dir: str | Path, start_timeout_s: float = 600.0) -> None:
         self.configs = {c.name: c for c in configs}
+        for c in configs:  # a missing folder or package fails here, not after the worker's start-up
+            try:
+                check(c)
+            except UserError as e:
+                raise UserError(f"reward models ({', '.join(self.configs)}) failed to load: {type(e).__name__}: {e}") from None
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads
         self._conn, child = context.Pipe()
         self._process = context.Process(

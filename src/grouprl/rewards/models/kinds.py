@@ -8,7 +8,10 @@ sequence_classifier. Everything heavy is imported inside the class that needs it
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from grouprl.errors import ModelLoadError, missing_local_path
 
 DRAWERS = ("text_to_image", "http_image", "scene_renderer")
 
@@ -19,6 +22,19 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def _source(cfg) -> str:
+    """The folder or hub id from_pretrained reads: `path` with "~" expanded; a local path that
+    does not exist is one line (transformers would call it a malformed repo id)."""
+    missing = missing_local_path(cfg.path)
+    if missing is not None:
+        raise ModelLoadError(f"reward model {cfg.name!r}: path '{cfg.path}' does not exist ({missing})")
+    return os.path.expanduser(cfg.path)
+
+
+def _needs_diffusers(cfg) -> ModelLoadError:
+    return ModelLoadError(f"reward model {cfg.name!r} (text_to_image) needs diffusers: pip install 'grouprl[image]'")
+
+
 class Clip:
     """Cosine similarity of CLIP/SigLIP image and text embeddings (x scale)."""
 
@@ -26,8 +42,9 @@ class Clip:
         from transformers import AutoModel, AutoProcessor
 
         self.device, self.scale = cfg.device, cfg.scale
-        self.model = AutoModel.from_pretrained(cfg.path, dtype=_torch_dtype(cfg.dtype)).to(cfg.device).eval()
-        self.processor = AutoProcessor.from_pretrained(cfg.path)
+        path = _source(cfg)
+        self.model = AutoModel.from_pretrained(path, dtype=_torch_dtype(cfg.dtype)).to(cfg.device).eval()
+        self.processor = AutoProcessor.from_pretrained(path)
         # SigLIP was trained on texts padded to max_length; CLIP pads to the longest
         self.padding = "max_length" if "siglip" in self.model.config.model_type else True
 
@@ -60,13 +77,14 @@ class SequenceClassifier:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device, self.label, self.max_length = cfg.device, cfg.label, cfg.max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+        path = _source(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
         # pad on the right (positions as when scored alone, whatever the model's position
         # scheme); cut long texts from the left, so the response being scored is what is kept
         self.tokenizer.padding_side, self.tokenizer.truncation_side = "right", "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(cfg.path, dtype=_torch_dtype(cfg.dtype))
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=_torch_dtype(cfg.dtype))
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(cfg.device).eval()
 
@@ -94,10 +112,12 @@ class TextToImage:
     own seeded generator, so equal seeds give images that differ only by prompt."""
 
     def __init__(self, cfg) -> None:
-        from diffusers import DiffusionPipeline
-
+        try:
+            from diffusers import DiffusionPipeline
+        except ImportError:
+            raise _needs_diffusers(cfg) from None
         self.cfg = cfg
-        self.pipe = DiffusionPipeline.from_pretrained(cfg.path, torch_dtype=_torch_dtype(cfg.dtype)).to(cfg.device)
+        self.pipe = DiffusionPipeline.from_pretrained(_source(cfg), torch_dtype=_torch_dtype(cfg.dtype)).to(cfg.device)
         self.pipe.set_progress_bar_config(disable=True)
 
     def draw(self, prompts: list[str], seeds: list[int]) -> list[Any]:
@@ -214,6 +234,17 @@ KINDS = {
     "scene_renderer": SceneRenderer,
     "scene_scorer": SceneScorer,
 }
+
+
+def check(cfg) -> None:
+    """What a model needs that can be checked without loading it (a local path that exists,
+    diffusers for text_to_image): a ModelLoadError before the worker starts."""
+    import importlib.util
+
+    if cfg.kind in ("clip", "sequence_classifier", "text_to_image"):
+        _source(cfg)
+    if cfg.kind == "text_to_image" and importlib.util.find_spec("diffusers") is None:
+        raise _needs_diffusers(cfg)
 
 
 def load(cfg):
