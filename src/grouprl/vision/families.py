@@ -37,6 +37,9 @@ class ImageInput:
     grid: tuple[int, int, int] | None = None  # qwen: (t, h, w) patches before merging
     extra: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # fingerprint of the pixels: prompts are the same prompt only with the same images
+    # the PIL image the processor read (within the pixel limits), for an engine that processes
+    # images itself (vLLM); set by `Family.prepare`, and not carried by `dataclasses.replace`
+    source: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.key and self.tensors:
@@ -148,7 +151,7 @@ class QwenFamily(Family):
         out = self.image_processor(images=[image], return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         n = grid[0] * grid[1] * grid[2] // self.merge**2
-        return ImageInput(
+        prepared = ImageInput(
             text=self.start_text + self.image_text * n + self.end_text,
             num_tokens=n,
             tensors={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]},
@@ -156,6 +159,8 @@ class QwenFamily(Family):
             original_size=image.size,
             grid=grid,
         )
+        prepared.source = image
+        return prepared
 
     def never_sampled(self) -> list[int]:
         return sorted(set(self.special))
@@ -230,7 +235,7 @@ class IdeficsFamily(Family):
             text += "".join(one.format(tag=f"<row_{r + 1}_col_{c + 1}>") for c in range(cols)) + "\n"
         text += ("\n" if rows else "") + one.format(tag=self.global_text) + self.frame_text
         resized = _shown_size(image.size, self.image_processor)
-        return ImageInput(
+        prepared = ImageInput(
             text=text,
             num_tokens=pixels.shape[0] * self.seq_len,
             tensors={"pixel_values": pixels, "pixel_attention_mask": mask},
@@ -238,6 +243,8 @@ class IdeficsFamily(Family):
             original_size=image.size,
             extra={"rows": rows, "cols": cols},
         )
+        prepared.source = image
+        return prepared
 
     def never_sampled(self) -> list[int]:
         return sorted(set(self.special))

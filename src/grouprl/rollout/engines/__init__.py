@@ -2,7 +2,6 @@
 over the trainer's own transformers model, and `vllm`, vLLM in-process with its own copy of the
 weights (pushed after every update). The agent loop and the trainer talk to the interface only."""
 
-from grouprl.errors import ConfigError
 from grouprl.rollout.engines.base import (
     Generation,
     ReprefillSession,
@@ -41,11 +40,6 @@ def build_engine(
             vision=vision,
             report_log_probs=cfg.check_log_probs if report_log_probs is None else report_log_probs,
         )
-    if vision is not None:
-        raise ConfigError(
-            f"rollout.engine={cfg.engine} generates for text-only policies; a vision-language policy "
-            "uses rollout.engine=hf"
-        )
     if cfg.engine == "vllm":
         from grouprl.rollout.engines.vllm import VLLMEngine
 
@@ -57,5 +51,6 @@ def build_engine(
             seed=seed,
             dtype=dtype or next(model.parameters()).dtype,
             max_model_len=cfg.max_model_len or None,
+            vision=vision,
         )
     raise ValueError(f"unknown rollout engine {cfg.engine!r}")  # config validation names the choices

@@ -28,6 +28,21 @@ its own (a per-request seed fails on vLLM's CPU backend), so each `generate` res
 trainer's generator inside `torch.random.fork_rng`: the same generator state gives the same
 samples, and the trainer's own global RNG is left as it was.
 
+Vision-language policies (`vision=` the family): a prompt or a conversation with images goes to
+vLLM as token ids, each image's expansion collapsed to the placeholder vLLM's processor expands
+(`<|image_pad|>` between Qwen's vision markers, Idefics3/SmolVLM's `<image>`), plus the source
+images (`ImageInput.source`, the very image the trainer's processor read) keyed by their pixel
+fingerprints (`ImageInput.key`). vLLM processes them with the same image processor class and
+settings (its on-device normalisation is off, so the processor normalises as the trainer's does)
+and runs its own vision tower on the result. Every request is checked before it is queued: each
+image's token count in vLLM's expansion equals the trainer's, the expanded prompt equals the
+trainer's ids, and vLLM's pixel tensors equal the trainer's exactly (`ImageMismatch` otherwise,
+naming the prompt and the image). A prompt's n samples are one request, so its images are
+processed once; later turns of a session send the same images under the same keys, which vLLM's
+processor cache (emptied after each rollout) and prefix cache find. Image and frame tokens are
+never sampled (`bad_words`), so vLLM's log-probs are the update's, renormalised over the others.
+A weight push also drops vLLM's encoder cache (image features of the old vision tower).
+
 vLLM must run in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before vLLM is first
 imported) for the weight push to reach the model without serialising it.
 """
@@ -35,8 +50,13 @@ imported) for the weight push to reach the model without serialising it.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
+import inspect
 import logging
+import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -165,12 +185,19 @@ def _lora_delta(module) -> torch.Tensor | None:
 
 def _refresh_tied_head(worker) -> None:
     """A tied LM head is skipped by the reload (its weight is the embedding's), but a backend may
-    keep a repacked copy of it for its matrix products (vLLM's CPU backend does): redo that."""
+    keep a repacked copy of it for its matrix products (vLLM's CPU backend does): redo that. A
+    VLM's head may sit in its language model (vLLM's Qwen2-VL), whose config says the tie."""
     model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    config = getattr(model, "config", None)
-    if head is not None and getattr(config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
-        head.quant_method.process_weights_after_loading(head)
+    owners = [model]
+    if hasattr(model, "get_language_model"):
+        owners.append(model.get_language_model())
+    for owner in owners:
+        head = getattr(owner, "lm_head", None)
+        config = getattr(owner, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if head is not None and getattr(text, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
+            return
 
 
 @contextlib.contextmanager
@@ -183,6 +210,160 @@ def _quiet(name: str, level: int = logging.ERROR):
         yield
     finally:
         logger.setLevel(before)
+
+
+class ImageMismatch(ModelLoadError):
+    """vLLM's processing of a prompt's images differs from the trainer's (token count, expanded
+    ids or pixels); `prompt` is the prompt's index in the `generate` call."""
+
+    def __init__(self, prompt: int, message: str):
+        super().__init__(message)
+        self.prompt = prompt
+
+
+# vLLM architectures whose Hugging Face processor class holds a video processor, which needs
+# torchvision -> (vLLM's model module, the processor class in transformers)
+_WITH_VIDEO_HALF = {
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLProcessor"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLProcessor"),
+    "SmolVLMForConditionalGeneration": ("smolvlm", "SmolVLMProcessor"),
+}
+
+
+def register_image_only(architectures: list[str]) -> None:
+    """Without torchvision, vLLM cannot build the Hugging Face processor of Qwen2-VL/2.5-VL or
+    SmolVLM: the processor class loads its video processor, which needs torchvision. For those
+    architectures, register vLLM's own model class again (in this process) with processing info
+    whose processor is the image processor `AutoImageProcessor` loads (the class the trainer's
+    processor uses) and the tokenizer, without the video half; the engine then takes images
+    only. The model, its prompt expansion and its vision tower stay vLLM's. With torchvision
+    installed nothing changes."""
+    wanted = [a for a in architectures if a in _WITH_VIDEO_HALF]
+    if not wanted or importlib.util.find_spec("torchvision") is not None:
+        return
+    from vllm import ModelRegistry
+
+    for architecture in wanted:
+        # a class, not a lazy name: vLLM inspects lazy ones in a subprocess, which would import
+        # the module without the stand-in below
+        ModelRegistry.register_model(architecture, _image_only_class(architecture))
+
+
+def _image_only_class(architecture: str):
+    """vLLM's model class for `architecture` under processing info that builds the processor
+    without its video half and takes images only."""
+    import transformers
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    module_name, processor_name = _WITH_VIDEO_HALF[architecture]
+    model_cls = getattr(_import_without_torchvision(f"vllm.model_executor.models.{module_name}"), architecture)
+    processor_cls = getattr(transformers, processor_name)
+    factories = model_cls._processor_factory
+
+    class ImageOnlyInfo(factories.info):
+        def get_supported_mm_limits(self):
+            return {"image": None}
+
+        def get_hf_processor(self, **kwargs):
+            return _image_only_processor(processor_cls, self.ctx.model_config.model, self.ctx.tokenizer)
+
+    image_only = type(architecture, (model_cls,), {})
+    register = MULTIMODAL_REGISTRY.register_processor(
+        factories.processor, info=ImageOnlyInfo, dummy_inputs=factories.dummy_inputs
+    )
+    return register(image_only)
+
+
+def _import_without_torchvision(name: str):
+    """Import vLLM's model module `name`. vLLM's Qwen2-VL module takes `smart_resize` from
+    transformers' torchvision image-processor module, which cannot load without torchvision:
+    while it imports, that module's name stands for transformers' PIL one, which carries the
+    same function."""
+    stand_in = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    if name in sys.modules or stand_in in sys.modules:
+        return importlib.import_module(name)
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl
+
+    sys.modules[stand_in] = image_processing_pil_qwen2_vl
+    try:
+        return importlib.import_module(name)
+    finally:
+        del sys.modules[stand_in]
+
+
+_PROCESSORS: dict[tuple, Any] = {}
+
+
+def _image_only_processor(processor_cls, path: str, tokenizer):
+    """`processor_cls` of the model at `path` without its video processor: the image processor
+    `AutoImageProcessor` loads, `tokenizer`, and the processor's own settings from
+    processor_config.json (e.g. SmolVLM's `image_seq_len`)."""
+    key = (processor_cls, path, id(tokenizer))
+    if key not in _PROCESSORS:
+        from transformers import AutoImageProcessor
+
+        class ImageOnly(processor_cls):
+            # the processor's sub-processors are the ones its __init__ names: these two
+            def __init__(self, image_processor=None, tokenizer=None, **kwargs):
+                super().__init__(image_processor, tokenizer, None, **kwargs)
+
+        settings, _ = processor_cls.get_processor_dict(path)
+        named = set(inspect.signature(processor_cls.__init__).parameters) - {
+            "self", "image_processor", "tokenizer", "video_processor", "args", "kwargs"
+        }
+        own = {k: v for k, v in settings.items() if k in named}
+        _PROCESSORS[key] = ImageOnly(AutoImageProcessor.from_pretrained(path), tokenizer, **own)
+    return _PROCESSORS[key]
+
+
+# vLLM reports at most this many chosen tokens' log-probs a step (its MAX_LOGPROB_TOKEN_IDS)
+_MAX_REPORTED = 128
+_MOST_MASS = 1 - 1e-12  # the never-sampled tokens' mass, below 1 so the correction stays finite
+
+# where each family's processor settings live, for the token-count error
+_SETTINGS_HINT = {
+    "idefics": " (Idefics3/SmolVLM: `image_seq_len` in processor_config.json, the tokens per tile)",
+    "qwen": " (Qwen: `min_pixels` / `max_pixels` in preprocessor_config.json)",
+}
+
+
+def placeholder_text(family) -> str:
+    """The text vLLM's processor expands one image from: Qwen's `<|image_pad|>` inside its vision
+    markers (vLLM writes the run of pads), Idefics3/SmolVLM's `<image>` (vLLM writes the frames,
+    tile tags and image tokens)."""
+    if family.name == "qwen":
+        return family.start_text + family.image_text + family.end_text
+    if family.name == "idefics":
+        return family.image_text
+    raise ConfigError(f"rollout.engine=vllm has no image placeholder for the {family.name!r} VLM family")
+
+
+def collapse_images(ids: list[int], expansions: list[list[int]], placeholder: list[int]) -> list[int]:
+    """`ids` with each image's expansion (`expansions[j]`, the token ids of image j's text, in
+    order) replaced by `placeholder`. ValueError where an image's tokens are not found in order."""
+    out: list[int] = []
+    at = 0
+    for j, expansion in enumerate(expansions):
+        start = _find(ids, expansion, at)
+        if start < 0:
+            raise ValueError(f"image {j}'s tokens are not in the prompt (after position {at})")
+        out.extend(ids[at:start])
+        out.extend(placeholder)
+        at = start + len(expansion)
+    out.extend(ids[at:])
+    return out
+
+
+def _find(ids: list[int], part: list[int], start: int) -> int:
+    """The first index >= start where `part` occurs in `ids`, or -1."""
+    first, size = part[0], len(part)
+    try:
+        k = ids.index(first, start)
+        while ids[k : k + size] != part:
+            k = ids.index(first, k + 1)
+        return k
+    except ValueError:
+        return -1
 
 
 class VLLMEngine:
@@ -202,11 +383,20 @@ class VLLMEngine:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         max_model_len: int | None = None,
+        vision=None,
     ):
         """`cfg` is the rollout config; `model_path` the folder the policy was loaded from (vLLM
-        reads its config and tokenizer there; its weights are the trainer's, pushed below)."""
+        reads its config, tokenizer and image processor there; its weights are the trainer's,
+        pushed below); `vision` the VLM family of a policy that reads images."""
         vllm = import_vllm()
         self.model, self.tokenizer = model, tokenizer
+        self.vision = vision
+        if vision is not None:
+            self._placeholder = list(tokenizer(placeholder_text(vision), add_special_tokens=False)["input_ids"])
+            self._expansions: dict[str, list[int]] = {}  # an image's text -> its token ids
+            self._never_sampled = vision.never_sampled()
+            self._bad_words = self._banned_words(self._never_sampled)
+            self._allowed: list[int] | None = None  # the other tokens, where bad_words cannot say it
         self.dtype = dtype
         self.sleep_level = cfg.sleep_level
         self.on_cuda = next(model.parameters()).device.type == "cuda"
@@ -248,6 +438,12 @@ class VLLMEngine:
     def _start(self, vllm, model_path, cfg, seed, dtype, max_model_len):
         if cfg.tensor_parallel_size != 1:  # its workers would be other processes, beyond the push
             raise ConfigError("rollout.engine=vllm runs one in-process worker: rollout.tensor_parallel_size must be 1")
+        extra = {}
+        if self.vision is not None:
+            register_image_only(list(getattr(self.model.config, "architectures", None) or []))
+            # normalise on the host, in the image processor, as the trainer's processor does: the
+            # pixels vLLM's tower sees are then the trainer's exactly
+            extra["mm_device_do_normalize"] = False
         return vllm.LLM(
             model=model_path,
             tokenizer=model_path,
@@ -260,6 +456,7 @@ class VLLMEngine:
             enable_sleep_mode=self.sleeps,
             enforce_eager=cfg.enforce_eager,
             logprobs_mode=self.logprobs_mode,
+            **extra,
         )
 
     @property
@@ -283,6 +480,9 @@ class VLLMEngine:
         """Sleep once the outermost rollout has ended, so the update has the memory."""
         self._rollouts = max(self._rollouts - 1, 0)
         if self._rollouts == 0:
+            if self.vision is not None:  # the rollout's processed images: a host copy of each
+                self.llm.reset_mm_cache()
+                self._expansions.clear()
             self._sleep()
 
     def _sleep(self) -> None:
@@ -317,6 +517,8 @@ class VLLMEngine:
             )
             self.llm.collective_rpc(_refresh_tied_head)
             self.llm.reset_prefix_cache()
+            if self.vision is not None:  # image features of the old vision tower
+                self.llm.llm_engine.reset_encoder_cache()
         self._pending = None
         self.push_seconds += time.perf_counter() - t0
 
@@ -333,11 +535,48 @@ class VLLMEngine:
             max_tokens=params.max_new_tokens,
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,  # the hf engine keeps the stop string too
-            logprobs=0,  # the sampled token's own log-prob
             detokenize=bool(params.stop),  # text is decoded here; vLLM needs it for stop strings only
             skip_special_tokens=False,  # stop strings are matched on the full text, as the hf engine does
             output_kind=RequestOutputKind.FINAL_ONLY,  # a prompt's n samples together, once all ended
+            **self._log_prob_args(),
+            **self._never(),
         )
+
+    def _raw_banned(self) -> list[int]:
+        """The never-sampled tokens whose log-probs each step reports, where vLLM's log-probs are
+        its raw ones (taken before any token is masked): their mass is taken out afterwards. vLLM
+        reports at most 128 chosen tokens; a family with more stays uncorrected (none has)."""
+        if self.vision is None or self.logprobs_mode != "raw_logprobs":
+            return []
+        return self._never_sampled if 0 < len(self._never_sampled) <= _MAX_REPORTED else []
+
+    def _log_prob_args(self) -> dict:
+        banned = self._raw_banned()
+        if banned:  # the sampled token's and the never-sampled tokens' log-probs
+            return {"logprobs": len(banned), "logprob_token_ids": banned}
+        return {"logprobs": 0}  # the sampled token's own log-prob
+
+    def _banned_words(self, banned: list[int]) -> list[str] | None:
+        """The never-sampled tokens as vLLM's `bad_words` (each one token, banned everywhere), or
+        None where one of them does not encode to itself alone (then `allowed_token_ids`)."""
+        words = [self.tokenizer.convert_ids_to_tokens(t) for t in banned]
+        for word, token in zip(words, banned):
+            if not isinstance(word, str) or self.tokenizer.encode(word, add_special_tokens=False) != [token]:
+                return None
+        return words
+
+    def _never(self) -> dict:
+        """Sampling arguments that keep a VLM's image and frame tokens from being sampled; vLLM
+        masks them before its processed log-probs, as the update excludes them."""
+        if self.vision is None or not self._never_sampled:
+            return {}
+        if self._bad_words is not None:
+            return {"bad_words": self._bad_words}
+        if self._allowed is None:
+            banned = set(self._never_sampled)
+            vocab = self.llm.llm_engine.model_config.get_vocab_size()
+            self._allowed = [t for t in range(vocab) if t not in banned]
+        return {"allowed_token_ids": self._allowed}
 
     def _generation(self, out) -> Generation:
         token_ids = list(out.token_ids)
@@ -348,6 +587,12 @@ class VLLMEngine:
         else:
             reason = "stop"
         log_probs = [step[t].logprob for step, t in zip(out.logprobs or [], token_ids)]
+        banned = self._raw_banned()
+        if banned:  # renormalise over the tokens that can be sampled, as the update does
+            log_probs = [
+                lp - math.log1p(-min(sum(math.exp(step[b].logprob) for b in banned if b in step), _MOST_MASS))
+                for lp, step in zip(log_probs, out.logprobs or [])
+            ]
         return Generation(
             token_ids=token_ids,
             text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
@@ -366,15 +611,98 @@ class VLLMEngine:
         images: list[list] | None = None,
     ) -> list[Generation]:
         """n samples of every prompt, prompt-major; a prompt's n samples are handed to
-        `on_group_done` as soon as vLLM has finished all of them."""
-        if images is not None and any(images):
-            raise ValueError("the vllm engine takes text prompts only; VLM policies generate on rollout.engine=hf")
+        `on_group_done` as soon as vLLM has finished all of them. `images[i]`: prompt i's images
+        (`ImageInput`s in the order of their tokens), for a VLM policy."""
+        if images is not None and any(images) and self.vision is None:
+            raise ValueError("images given to a vllm engine started for a text-only policy")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts")
         if not prompts:
             return []
         with rollout_phase(self):  # outside the trainer's rollouts a call is a rollout of its own
-            return self._generate(prompts, n, params, generator, on_group_done)
+            return self._generate(prompts, n, params, generator, on_group_done, images)
 
-    def _generate(self, prompts, n, params, generator, on_group_done) -> list[Generation]:
+    # ------------------------------------------------------------------ images
+    def _inputs(self, prompts: list[list[int]], images: list[list] | None) -> list:
+        """vLLM's input of every prompt: its ids, or for a prompt with images the request vLLM's
+        processor has expanded, checked against the trainer's (`_check`)."""
+        inputs: list = [{"prompt_token_ids": list(p)} for p in prompts]
+        with_images = [i for i in range(len(prompts)) if images is not None and images[i]]
+        if not with_images:
+            return inputs
+        requests = [self._image_request(i, prompts[i], images[i]) for i in with_images]
+        rendered = self.llm.llm_engine.renderer.render_cmpl(requests)
+        try:
+            for i, request in zip(with_images, rendered):
+                self._check(i, prompts[i], images[i], request)
+                inputs[i] = request
+        except ImageMismatch:
+            self.llm.reset_mm_cache()  # nothing of these requests is queued: forget their images
+            raise
+        return inputs
+
+    def _image_request(self, i: int, prompt: list[int], images: list) -> dict:
+        for j, image in enumerate(images):
+            if getattr(image, "source", None) is None:
+                raise ValueError(
+                    f"image {j} of prompt {i} carries no source image for vLLM "
+                    "(images are prepared with VisionProcessor.prepare_image)"
+                )
+        try:
+            ids = collapse_images(list(prompt), [self._expansion(image) for image in images], self._placeholder)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        return {
+            "prompt_token_ids": ids,
+            "multi_modal_data": {"image": [image.source for image in images]},
+            # the pixel fingerprint: vLLM's processor and prefix caches know a repeated image by it
+            "multi_modal_uuids": {"image": [image.key for image in images]},
+        }
+
+    def _expansion(self, image) -> list[int]:
+        if image.text not in self._expansions:
+            self._expansions[image.text] = list(self.tokenizer(image.text, add_special_tokens=False)["input_ids"])
+        return self._expansions[image.text]
+
+    def _check(self, i: int, prompt: list[int], images: list, request: Mapping) -> None:
+        """vLLM's expansion of prompt i holds as many tokens for each image as the trainer's, in
+        the same places (the expanded ids equal the trainer's), and its pixel tensors are the
+        trainer's (checked where vLLM processed the image for this request; a cached one was
+        checked when first processed)."""
+        places = request["mm_placeholders"].get("image", [])
+        for j, (image, place) in enumerate(zip(images, places)):
+            count = place.length if place.is_embed is None else int(place.is_embed.sum())
+            if count != image.num_tokens:
+                raise ImageMismatch(
+                    i,
+                    f"prompt {i}, image {j} ({image.original_size[0]}x{image.original_size[1]}): vLLM expands it to "
+                    f"{count} image tokens, the trainer's processor to {image.num_tokens}; both must read the "
+                    f"model folder's processor settings{_SETTINGS_HINT.get(self.vision.name, '')}",
+                )
+        got = list(request["prompt_token_ids"])
+        if len(places) != len(images) or got != list(prompt):
+            at = next((k for k, (a, b) in enumerate(zip(got, prompt)) if a != b), min(len(got), len(prompt)))
+            raise ImageMismatch(
+                i,
+                f"prompt {i}: vLLM's expansion of its {len(images)} images differs from the trainer's "
+                f"({len(places)} placed, {len(got)} ids for {len(prompt)}, first difference at token {at})",
+            )
+        items = request["mm_kwargs"].get("image", [])
+        for j, (image, item) in enumerate(zip(images, items)):
+            if item is None:
+                continue
+            for name, tensor in image.tensors.items():
+                theirs = item[name].data if name in item else None
+                if theirs is not None and not (
+                    theirs.numel() == tensor.numel() and torch.equal(theirs, tensor.reshape(theirs.shape))
+                ):
+                    raise ImageMismatch(
+                        i,
+                        f"prompt {i}, image {j}: vLLM's processor gives other {name} than the trainer's "
+                        "(the two image processors differ in class or settings)",
+                    )
+
+    def _generate(self, prompts, n, params, generator, on_group_done, images=None) -> list[Generation]:
         engine = self.llm.llm_engine
         # greedy samples of one prompt are all alike: vLLM takes n = 1 there, copied n times
         copies = n if params.temperature == 0 else 1
@@ -387,11 +715,12 @@ class VLLMEngine:
             seed = None
         devices = [torch.cuda.current_device()] if self.on_cuda else []
         done: dict[int, list[Generation]] = {}
+        inputs = self._inputs(prompts, images)  # all checked before any is queued
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            for i, prompt in enumerate(prompts):
-                engine.add_request(str(i), {"prompt_token_ids": list(prompt)}, sampling)
+            for i, request in enumerate(inputs):
+                engine.add_request(str(i), request, sampling)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if not out.finished:
