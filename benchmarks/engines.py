@@ -67,7 +67,7 @@ def child(args) -> None:
         trainer = Trainer(load_config(DEFAULT_RECIPE, overrides))
         start_up = time.perf_counter() - t0
         prompts = trainer.train_prompts[: args.batch * args.gen_batches]
-        params = trainer.sampling_params()
+        params = trainer.collector.sampling_params()
         if args.max_new_tokens:
             params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=params.temperature)
 

@@ -77,14 +77,14 @@ def recording_cost(rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="grouprl-mismatch-") as tmp:
         cfg = load_config(DEFAULT_RECIPE, ["actor.dtype=bfloat16", "data.task_val_size=0", f"trainer.output_dir={tmp}"])
         trainer = Trainer(cfg)
-        samples, prompts = trainer._next_prompts()
+        samples, prompts = trainer.collector.next_prompts()
         times: dict[bool, list[float]] = {True: [], False: []}
         for r in range(rounds):
             for record in (r % 2 == 0, r % 2 == 1):
                 trainer.engine.report_log_probs = record
-                trainer._rollout_calls = 0
+                trainer.collector._calls = 0
                 t0 = time.perf_counter()
-                trainer.rollout(samples, prompts, cfg.rollout.n_agent)
+                trainer.collector.rollout(samples, prompts, cfg.rollout.n_agent)
                 times[record].append(time.perf_counter() - t0)
     with_, without = statistics.median(times[True]), statistics.median(times[False])
     print(f"\nrecording the engine's log-probs (bf16 generation of one default step, {rounds} rounds, medians): "

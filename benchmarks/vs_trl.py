@@ -171,7 +171,7 @@ def draw_order(trainer: Trainer, steps: int) -> list:
     sampler, out = copy.deepcopy(trainer.sampler), []
     for _ in range(steps):
         batch = []
-        while len(batch) < trainer.cfg.data.train_batch_size:  # as Trainer._next_prompts: skip over-long
+        while len(batch) < trainer.cfg.data.train_batch_size:  # as Collector.next_prompts: skip over-long
             batch += [i for i in sampler.next_batch() if trainer.train_prompts[i] is not None]
         out += [trainer.train_samples[i] for i in batch[: trainer.cfg.data.train_batch_size]]
     return out

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import grouprl.trainer.trainer as trainer_module
+import grouprl.trainer.setup as run_setup
 from grouprl.cli import main
 from helpers import tiny_model_and_tokenizer
 
@@ -36,9 +36,9 @@ def no_model_load(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(trainer_module, "load_causal_lm", forbidden)
-    monkeypatch.setattr(trainer_module, "load_tokenizer", forbidden)
-    monkeypatch.setattr(trainer_module, "resolve_model_path", forbidden)
+    monkeypatch.setattr(run_setup, "load_causal_lm", forbidden)
+    monkeypatch.setattr(run_setup, "load_tokenizer", forbidden)
+    monkeypatch.setattr(run_setup, "resolve_model_path", forbidden)
 
 
 def write_jsonl(path, rows):

@@ -6,7 +6,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import grouprl.trainer.trainer as trainer_module
+import grouprl.trainer.setup as run_setup
 from grouprl.cli import main
 
 
@@ -15,7 +15,7 @@ def forbid_models(monkeypatch):
         raise AssertionError("a model was loaded")
 
     for name in ("load_causal_lm", "load_tokenizer", "resolve_model_path"):
-        monkeypatch.setattr(trainer_module, name, forbidden)
+        monkeypatch.setattr(run_setup, name, forbidden)
 
 
 def test_dry_run_says_each_files_layout(tmp_path, capsys, monkeypatch):

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import grouprl.trainer.trainer as trainer_module
+import grouprl.trainer.evaluation as evaluation_module
+import grouprl.trainer.step as step_module
 from grouprl.config import RolloutConfig, load_config
 from grouprl.errors import ConfigError
 from grouprl.rollout.engines.base import SamplingParams
@@ -193,7 +194,7 @@ def recorded_trainer(root, model_dir, monkeypatch, level, *overrides, reward="1.
     settings = ["rollout.engine=vllm", f"rollout.sleep_level={level}", "trainer.save_final=false", *overrides]
     trainer = Trainer(load_config(config, settings))
     engine, llm = trainer.engine, trainer.engine.llm
-    real_phase, real_update = trainer_module.rollout_phase, engine.weights_updated
+    real_phase, real_update = step_module.rollout_phase, engine.weights_updated
 
     @contextlib.contextmanager
     def phase(e):
@@ -211,7 +212,8 @@ def recorded_trainer(root, model_dir, monkeypatch, level, *overrides, reward="1.
         assert weights.keys() == want.keys()
         assert all(torch.equal(weights[k], want[k]) for k in want), "vLLM samples from stale weights"
 
-    monkeypatch.setattr(trainer_module, "rollout_phase", phase)
+    monkeypatch.setattr(step_module, "rollout_phase", phase)  # a step's rollout
+    monkeypatch.setattr(evaluation_module, "rollout_phase", phase)  # an evaluation's
     monkeypatch.setattr(engine, "weights_updated", update)
     llm.on_generate = current
     return trainer, llm

@@ -72,14 +72,14 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, uninterr
         first.fit()
     elif how == "interrupted_in_step_3":
         first = Trainer(config(tmp_path, model_dir, *settings))
-        real_rollout = first.rollout
+        real_rollout = first.collector.rollout
 
         def rollout_then_ctrl_c(*args, **kwargs):
             if first.step == 2 and not kwargs.get("evaluation"):
                 raise KeyboardInterrupt  # Ctrl-C while step 3 generates
             return real_rollout(*args, **kwargs)
 
-        monkeypatch.setattr(first, "rollout", rollout_then_ctrl_c)
+        monkeypatch.setattr(first.collector, "rollout", rollout_then_ctrl_c)
         with pytest.raises(KeyboardInterrupt):
             first.fit()
     else:  # Ctrl-C during the evaluation that follows step 2 (greedy: it draws no random numbers)

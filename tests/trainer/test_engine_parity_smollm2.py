@@ -44,8 +44,10 @@ def step_rollout(trainer: Trainer, batch, parts: list[range], gen_batch_size: in
     trainer.engine.max_batch = gen_batch_size
     out = []
     for part in parts:
-        trainer._rollout_calls = 0  # a step's first rollout, on every rank
-        out += trainer.rollout([samples[g] for g in part], [prompts[g] for g in part], 8, first_group=part.start)
+        trainer.collector._calls = 0  # a step's first rollout, on every rank
+        out += trainer.collector.rollout(
+            [samples[g] for g in part], [prompts[g] for g in part], 8, first_group=part.start
+        )
     return out
 
 
@@ -64,7 +66,7 @@ def test_float32_engine_samples_the_trainers_distribution_however_the_batch_is_c
     trainer = trainer_for(tmp_path / "fp32", "float32")
     assert trainer.rollout_is == "off" and not trainer.engine.report_log_probs  # exact: nothing to correct
     trainer.engine.report_log_probs = True  # measured here all the same
-    batch = trainer._next_prompts()
+    batch = trainer.collector.next_prompts()
     whole = step_rollout(trainer, batch, [range(2)])
     assert len(whole) == 16 and sum(len(t.response_ids) for t in whole) > 150
     found = gap(trainer, whole)
@@ -78,7 +80,7 @@ def test_float32_engine_samples_the_trainers_distribution_however_the_batch_is_c
 def test_bf16_engine_and_trainer_disagree_so_the_correction_is_on_by_default(tmp_path):
     trainer = trainer_for(tmp_path / "bf16", "bfloat16")
     assert trainer.engine_differs and trainer.rollout_is == "token" and trainer.engine.report_log_probs
-    trajectories = step_rollout(trainer, trainer._next_prompts(), [range(2)])
+    trajectories = step_rollout(trainer, trainer.collector.next_prompts(), [range(2)])
     assert all(t.rollout_log_probs is not None for t in trajectories)
     found = gap(trainer, trajectories)
     # bf16 rounding in generation (KV cache, one row at a time) vs the update's full passes:

@@ -77,15 +77,13 @@ def test_metrics_combine_by_kind():
     ],
 )
 def test_settings_several_ranks_refuse_are_one_line(override, message):
-    from types import SimpleNamespace
-
     from grouprl.config import load_config
-    from grouprl.trainer.trainer import Trainer
+    from grouprl.trainer.setup import check_parallel
 
     cfg = load_config(None, ["model.lora.rank=8", "model.gradient_checkpointing=true"])
-    Trainer._check_parallel(SimpleNamespace(cfg=cfg, ranks=Ranks(0, 2)))  # LoRA and recompute pass
+    check_parallel(cfg, Ranks(0, 2))  # LoRA and recompute pass
     with pytest.raises(UserError, match=message):
-        Trainer._check_parallel(SimpleNamespace(cfg=load_config(None, ["model.lora.rank=8", override]), ranks=Ranks(1, 2)))
+        check_parallel(load_config(None, ["model.lora.rank=8", override]), Ranks(1, 2))
 
 
 def test_a_shard_size_that_does_not_divide_the_ranks_is_one_line():

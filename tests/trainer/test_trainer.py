@@ -397,12 +397,12 @@ def test_a_breakdown_key_with_too_many_values_is_refused_with_a_warning(tmp_path
     trainer = Trainer(load_config(config, ["trainer.val_breakdown=kind"]))
     for i, sample in enumerate(trainer.val_samples):
         sample.extra_info["kind"] = f"k{i}"
-    import grouprl.trainer.trainer as trainer_module
+    import grouprl.trainer.setup as run_setup
 
-    trainer_module.MAX_BREAKDOWN_GROUPS, saved = 3, trainer_module.MAX_BREAKDOWN_GROUPS
+    run_setup.MAX_BREAKDOWN_GROUPS, saved = 3, run_setup.MAX_BREAKDOWN_GROUPS
     try:
-        trainer._check_breakdown()
+        trainer.parts.breakdown = run_setup.breakdown_key("kind", trainer.val_samples)
     finally:
-        trainer_module.MAX_BREAKDOWN_GROUPS = saved
+        run_setup.MAX_BREAKDOWN_GROUPS = saved
     assert "has 4 values in the held-out data" in caplog.text
     assert not [k for k in trainer.evaluate() if k.startswith("val/accuracy/")]

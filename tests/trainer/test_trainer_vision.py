@@ -91,7 +91,7 @@ def test_the_update_is_blind_without_the_images(tmp_path, monkeypatch):
         tensors.prompt_images = [[blank for _ in row] for row in tensors.prompt_images]
         return tensors
 
-    monkeypatch.setattr("grouprl.trainer.trainer.build_step_tensors", blind)
+    monkeypatch.setattr("grouprl.trainer.step.build_step_tensors", blind)
     metrics, _ = trainer.train_step()
     assert metrics["rollout/mismatch_max"] > 1e-3
 

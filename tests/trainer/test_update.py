@@ -109,14 +109,15 @@ def actor_config(**overrides) -> ActorConfig:
     return ActorConfig(**fields)
 
 
-def accumulated_grads(model, tensors, cfg, num_prompts=2, **updater_args):
-    """Run PolicyUpdater.update with a recording optimizer: (per-step gradients, metrics)."""
+def accumulated_grads(model, tensors, cfg, num_prompts=2, with_old=False, **updater_args):
+    """Run PolicyUpdater.update with a recording optimizer: (per-step gradients, metrics), and
+    with `with_old` the log-probs the update took as old (None when it was given them)."""
     updater = PolicyUpdater(cfg, temperature=TEMPERATURE, pad_token_id=0, **updater_args)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = GradRecorder(params)
-    metrics = updater.update(model, optimizer, CountingScheduler(), tensors, num_prompts, params)
+    done = updater.update(model, optimizer, CountingScheduler(), tensors, num_prompts, params)
     model.eval()
-    return optimizer.steps, metrics
+    return (optimizer.steps, done.metrics, done.old_log_probs) if with_old else (optimizer.steps, done.metrics)
 
 
 def hand_built_loss(model, tensors, cfg, rows=None, rollout_is=None, norm_length=None):
@@ -323,7 +324,7 @@ def test_nan_advantage_skips_the_step(model, tensors):
     scheduler = CountingScheduler()
     optimizer = torch.optim.SGD(params, lr=0.5)
     updater = PolicyUpdater(actor_config(micro_batch_size=3), temperature=TEMPERATURE, pad_token_id=0)
-    metrics = updater.update(policy, optimizer, scheduler, step, 2, params)
+    metrics = updater.update(policy, optimizer, scheduler, step, 2, params).metrics
     assert metrics["actor/skipped_steps"] == 1
     assert scheduler.steps == 0
     assert all(p.grad is None for p in params)  # nothing left over for the next step
@@ -331,7 +332,7 @@ def test_nan_advantage_skips_the_step(model, tensors):
         assert torch.equal(p.detach(), b)
     assert all(math.isfinite(v) for k, v in metrics.items() if k not in ("actor/pg_loss", "actor/loss"))
     # the same batch with a finite advantage does step
-    metrics = updater.update(policy, optimizer, scheduler, tensors, 2, params)
+    metrics = updater.update(policy, optimizer, scheduler, tensors, 2, params).metrics
     assert metrics["actor/skipped_steps"] == 0 and scheduler.steps == 1
     assert any(not torch.equal(p.detach(), b) for p, b in zip(params, before))
 
@@ -550,7 +551,8 @@ def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_pol
     """An engine's samples (rollout log-probs 0.2-ish away from the trainer's): each token's
     loss is weighted by min(exp(old - rollout), cap), computed per micro-batch from the old
     log-probs (on-policy: the update's own detached ones), whatever the micro-batch size. On
-    policy, the update hands back the log-probs it used as old (for the mismatch metrics)."""
+    policy, the update hands back the log-probs it used as old (for the mismatch metrics), and
+    writes nothing into the tensors it was given."""
     step = copy.copy(tensors)
     with torch.no_grad():
         lp, _ = reference_log_probs(model, step.prompt_ids, step.response_ids, step.response_mask, TEMPERATURE)
@@ -572,16 +574,17 @@ def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_pol
     assert max_relative_difference(expected, plain) > 1e-2  # the weights matter
     for micro in (1, 3, N_ROWS):
         run = copy.copy(step)
-        steps, _ = accumulated_grads(
+        steps, _, old = accumulated_grads(
             model, run, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}),
-            rollout_is=level, rollout_is_cap=cap,
+            with_old=True, rollout_is=level, rollout_is_cap=cap,
         )
         assert_grads_close(steps[0], expected, 1e-6)  # float32 rollout/old log-probs inside
+        assert run.old_log_probs is step.old_log_probs  # given or None: the tensors are not written
         if on_policy:
             real = step.response_mask.bool()
-            torch.testing.assert_close(run.old_log_probs[real].double(), lp[real], rtol=0, atol=1e-6)
+            torch.testing.assert_close(old[real].double(), lp[real], rtol=0, atol=1e-6)
         else:
-            assert run.old_log_probs is step.old_log_probs
+            assert old is None
 
 
 @pytest.mark.parametrize("level, cap", [("token", 1.15), ("sequence", 1.5), ("geometric", 1.06)])

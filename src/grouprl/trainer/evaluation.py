@@ -1,5 +1,5 @@
-"""Held-out evaluation's numbers and files, shared by `Trainer.evaluate` (`grouprl train`,
-`grouprl eval`) and `grouprl sft`'s accuracy on RL data (`sft.val_rl_files`).
+"""Held-out evaluation: `Evaluator` (the trainer's, for `grouprl train` and `grouprl eval`), and
+its numbers and files, shared with `grouprl sft`'s accuracy on RL data (`sft.val_rl_files`).
 
 answers.jsonl: one line per held-out sample, in file order (a prompt over
 data.max_prompt_length is a line too, marked skipped), so two models' files pair up line by
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,22 @@ import torch
 
 from grouprl.config import Config
 from grouprl.data import Sample, encode_prompt, fit_prompt
-from grouprl.rollout.engines import SamplingParams
+from grouprl.rollout.engines import SamplingParams, rollout_phase
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.image_report import eval_rows
 from grouprl.trainer.loggers import clean
 from grouprl.trainer.models import resolve_model_path
+from grouprl.trainer.parallel import gathered
 
 Progress = Callable[[int, int], None]  # (done, total) after each chunk
+
+
+def breakdown_value(sample: Sample, key: str) -> str | None:
+    """The group a held-out sample counts in for trainer.val_breakdown (None: no key, or no value)."""
+    if not key:
+        return None
+    value = sample.data_source if key == "data_source" else sample.extra_info.get(key)
+    return None if value in (None, "") else str(value)
 
 
 def score_of(t: Trajectory, metric: str) -> float:
@@ -173,3 +184,80 @@ def answer_held_out(
             progress(min(start + batch, len(samples)), len(samples))
     model.train(was_training)
     return out
+
+
+class Evaluator:
+    """The trainer's held-out evaluation: answers to the held-out prompts (rollout.val_temperature;
+    0 = greedy) on evaluation's own sampling streams, scored; several ranks answer a block each.
+    Keeps the images of evaluations whose reward draws them, for the before/after report."""
+
+    def __init__(self, cfg: Config, parts, collector):
+        """`parts`: setup.Parts; `collector`: step.Collector (its rollout)."""
+        self.cfg, self.p, self.collector = cfg, parts, collector
+        self.ranks = parts.ranks
+        self.images: list[tuple[int, list[dict]]] = []  # (step, rows) of evaluations that drew images
+        self.originals: list[dict] | None = None  # the held-out requests drawn as written
+
+    @torch.no_grad()
+    def evaluate(self, step: int, answers: Path | None = None, progress: Progress | None = None) -> dict[str, float]:
+        """val/accuracy (reward.val_metric), val/reward, each component, and accuracy per
+        trainer.val_breakdown value. `answers`: a folder for answers.jsonl and metrics.json;
+        `progress(done, total)` after each chunk of this rank's share."""
+        p = self.p
+        keep = [i for i, q in enumerate(p.val_prompts) if q is not None]
+        if not keep:
+            return {}
+        t0 = time.perf_counter()
+        batch = self.cfg.rollout.gen_batch_size or 64
+        mine = self.ranks.split(len(keep))  # several ranks: each answers its block
+        trajectories: list[Trajectory] = []
+        with gathered(p.policy), rollout_phase(p.engine):
+            for start in range(mine.start, mine.stop, batch):
+                chunk = keep[start : min(start + batch, mine.stop)]
+                trajectories += self.collector.rollout(
+                    [p.val_samples[i] for i in chunk],
+                    [p.val_prompts[i] for i in chunk],
+                    1,
+                    evaluation=True,
+                    first_group=start,
+                )
+                if progress is not None:
+                    progress(start + len(chunk) - mine.start, len(mine))
+        p.reward.score(trajectories)
+        # the reward draws images: keep them for the report (decided over every rank: it gathers)
+        if self.ranks.reduce([float(any(t.artifacts for t in trajectories))], "max")[0]:
+            self._keep_images(step, trajectories)
+        p.reward.step_metrics()  # reward-model counters stay the training steps' own
+        metric, key = self.cfg.reward.val_metric, p.breakdown
+        rows = rows_of(trajectories, metric, lambda sample: breakdown_value(sample, key))
+        rows = [row for part in self.ranks.gather(rows) for row in part]  # blocks in rank order: keep's order
+        out = {**metrics_of(rows), "time/eval": time.perf_counter() - t0}
+        if answers is not None:
+            records = [answer_record(t, metric) for t in trajectories]
+            records = iter([r for part in self.ranks.gather(records) for r in part])
+            if self.ranks.main:
+                answered = set(keep)
+                write_answers(
+                    answers,
+                    [next(records) if i in answered else skipped_record(s) for i, s in enumerate(p.val_samples)],
+                    {"model": self.cfg.model.path, "step": step, "samples": len(p.val_samples),
+                     "answered": len(keep), **out},
+                )
+        return out
+
+    def _keep_images(self, step: int, trajectories: list[Trajectory]) -> None:
+        """This evaluation's images and scores (every rank's), and once, those of the held-out
+        requests drawn as written (same seeds), for the before/after report."""
+
+        def prompt_of(t):
+            return str(t.sample.messages[-1].get("content", ""))
+
+        rows = [r for part in self.ranks.gather(eval_rows(trajectories, prompt_of)) for r in part]
+        self.images.append((step, rows))
+        if self.originals is None:
+            as_written = [
+                Trajectory(sample=t.sample, index=t.index, prompt_ids=t.prompt_ids, response_text=prompt_of(t))
+                for t in trajectories
+            ]
+            self.p.reward.score(as_written)
+            self.originals = [r for part in self.ranks.gather(eval_rows(as_written, prompt_of)) for r in part]

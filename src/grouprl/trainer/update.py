@@ -101,6 +101,15 @@ def build_step_tensors(
     )
 
 
+@dataclass
+class Update:
+    """What one update measured, and the log-probs it took as old when it was given none (on
+    policy: its own first pass's, detached), for the mismatch metrics; None otherwise."""
+
+    metrics: dict[str, float]
+    old_log_probs: torch.Tensor | None = None  # [N, R]
+
+
 def batch_total(mode: str, mask: torch.Tensor) -> float:
     """What a mini-batch's loss is divided by: its loss tokens (token-mean), its non-empty rows
     (sequence means), nothing (seq-mean-token-sum-norm: a sum over tokens / a constant)."""
@@ -294,9 +303,9 @@ class PolicyUpdater:
         tensors.policy_mask = tensors.loss_mask
         tensors.loss_mask = tensors.loss_mask * keep.to(tensors.loss_mask.dtype)
 
-    def update(
-        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params
-    ) -> dict[str, float]:
+    def update(self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params) -> Update:
+        """ppo_epochs x mini-batches of `tensors` (this rank's rows of `num_prompts` groups), one
+        optimizer step each; `tensors` are read, never written."""
         # the head's weight gradient goes straight into .grad (logprobs.py); on a CPU, the layers
         # keep fewer activations and freed memory goes back to the OS (grouprl.cpu)
         if self.ranks.distributed:  # the CPU devices patch layers FSDP already manages
@@ -306,7 +315,7 @@ class PolicyUpdater:
 
     def _update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params, before_backward
-    ) -> dict[str, float]:
+    ) -> Update:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
         world = self.ranks.world
@@ -391,12 +400,11 @@ class PolicyUpdater:
                     counts[k] += 1
                 sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
                 counts["actor/grad_norm"] += 1
-        if self._recorded is not None:
-            tensors.old_log_probs, self._recorded = self._recorded, None
+        recorded, self._recorded = self._recorded, None
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
-        return out
+        return Update(out, recorded)
 
     def _clip(self, params) -> float:
         clip = self.cfg.optim.grad_clip

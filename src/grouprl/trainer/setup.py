@@ -1,0 +1,407 @@
+"""A run's parts, built from the config: data and prompts, ranks, precision, the policy and its
+reference, sharding, the engine and rollout, rewards, sampler, optimizer and updater.
+
+`build(cfg)` builds them in the order that lets a user's mistake fail early: everything about
+the data and the rewards is checked before a model loads. The trainer wires the parts into
+collect (step.py), learn (step.py) and evaluation (evaluation.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grouprl.config import Config
+from grouprl.curriculum.online import OnlineCurriculum
+from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
+from grouprl.errors import DataError, UserError
+from grouprl.rewards import CompositeReward
+from grouprl.rewards.streaming import StreamingRewards
+from grouprl.rollout.agent import AgentLoop
+from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
+from grouprl.rollout.engines import RolloutEngine, build_engine
+from grouprl.rollout.single_turn import SingleTurn
+from grouprl.rollout.tools.factory import build_tools
+from grouprl.trainer.evaluation import breakdown_value, reward_config
+from grouprl.trainer.models import (
+    engine_may_differ,
+    load_causal_lm,
+    load_tokenizer,
+    model_config,
+    resolve_compute_dtype,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+    resolve_rollout_dtype,
+)
+from grouprl.trainer.optim import build_optimizer, build_scheduler
+from grouprl.trainer.parallel import Ranks, device_mesh, shard
+from grouprl.trainer.update import PolicyUpdater
+from grouprl.vision.families import is_vision_config
+from grouprl.vision.processor import VisionProcessor
+
+log = logging.getLogger(__name__)
+
+MAX_BREAKDOWN_GROUPS = 50
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
+    """Training and held-out samples, from files or the built-in task."""
+    d = cfg.data
+    if d.train_files:
+        train = load_samples(d.train_files)
+        val = load_samples(d.val_files) if d.val_files else []
+    else:
+        train = make_task(d.task, d.task_train_size, d.task_seed, "train", few_shot=d.few_shot)
+        val = (
+            make_task(d.task, d.task_val_size, d.task_seed, "val", few_shot=d.few_shot)
+            if d.task_val_size
+            else []
+        )
+    if d.val_max_samples:
+        val = val[: d.val_max_samples]
+    if d.system_prompt is not None:
+        for s in train + val:
+            if s.messages and s.messages[0].get("role") == "system":
+                s.messages[0] = {"role": "system", "content": d.system_prompt}
+            else:
+                s.messages.insert(0, {"role": "system", "content": d.system_prompt})
+    return train, val
+
+
+def breakdown_key(key: str, val_samples: list[Sample]) -> str:
+    """trainer.val_breakdown if the held-out samples have it, with few values; else a warning,
+    once, and "" (no per-group figures: a typo or an id-like key must not pass silently or
+    flood the metrics)."""
+    values = {breakdown_value(s, key) for s in val_samples} - {None}
+    if key and val_samples and not values:
+        log.warning("trainer.val_breakdown=%r: no held-out sample has it; no per-group accuracy", key)
+    elif len(values) > MAX_BREAKDOWN_GROUPS:
+        log.warning(
+            "trainer.val_breakdown=%r has %d values in the held-out data (at most %d are logged "
+            "per group); no per-group accuracy", key, len(values), MAX_BREAKDOWN_GROUPS,
+        )
+    return key if values and len(values) <= MAX_BREAKDOWN_GROUPS else ""
+
+
+def check_parallel(cfg: Config, ranks: Ranks) -> None:
+    """What several ranks cannot do yet, and batch sizes that do not split into whole groups."""
+    world = ranks.world
+    ranks.share(cfg.data.train_batch_size)
+    if cfg.actor.mini_batch_size:
+        ranks.share(cfg.actor.mini_batch_size, "actor.mini_batch_size")
+    if cfg.model.quantization != "none":  # FSDP shards plain tensors, not bitsandbytes' packed ones
+        raise UserError(
+            f"model.quantization={cfg.model.quantization} runs in one process only (this run has {world} ranks)"
+        )
+    if not cfg.model.freeze_vision_tower:  # the gradient sync pass is text only
+        raise UserError(
+            f"model.freeze_vision_tower=false runs in one process only for now (this run has {world} ranks)"
+        )
+    if cfg.rollout.engine != "hf":
+        raise UserError(f"rollout.engine={cfg.rollout.engine} runs in one process only (this run has {world} ranks)")
+
+
+def check_images(cfg: Config, samples: list[Sample], config) -> None:
+    """Images in the prompts need a policy that reads them (one line, before loading)."""
+    with_images = next((s for s in samples if s.images), None)
+    if with_images is not None and not is_vision_config(config):
+        raise DataError(
+            f"the data has images (sample {with_images.uid!r}) but model.path "
+            f"'{cfg.model.path}' is a text-only model ({getattr(config, 'model_type', '?')}); "
+            "use a vision-language model, or data without images"
+        )
+
+
+def norm_length(cfg: Config) -> float | None:
+    """The constant seq-mean-token-sum-norm divides by: actor.loss_scale_factor, else the most
+    policy tokens a response can hold (for agents: the response budget, else max_turns turns
+    of max_response_length)."""
+    if cfg.actor.loss_agg_mode != "seq-mean-token-sum-norm":
+        return None
+    if cfg.actor.loss_scale_factor:
+        return float(cfg.actor.loss_scale_factor)
+    if cfg.agent.enabled:
+        return float(cfg.agent.max_response_tokens or cfg.agent.max_turns * cfg.rollout.max_response_length)
+    return float(cfg.rollout.max_response_length)
+
+
+class PromptEncoder:
+    """Prompts as token ids (chat template, an agent's protocol in front, fitted to
+    data.max_prompt_length) and, for a VLM policy, their processed images."""
+
+    def __init__(self, cfg: Config, tokenizer, vision: VisionProcessor | None):
+        self.cfg, self.tokenizer, self.vision = cfg, tokenizer, vision
+        # an agent's prompts carry the tag protocol as their system message
+        self.agent_prompt = (
+            protocol_prompt("none" if cfg.agent.answer_generator == "none" else "frozen", cfg.agent.system_prompt)
+            if cfg.agent.enabled
+            else None
+        )
+        self._image_stubs: dict[int, list] = {}  # id(sample) -> its images' token counts (no pixels)
+
+    def encode(self, samples: list[Sample], what: str) -> tuple[list[list[int] | None], dict[str, float]]:
+        """Each sample's prompt ids (None: over the length limit and skipped), and the counts."""
+        d = self.cfg.data
+        prompts: list[list[int] | None] = []
+        skipped = truncated = 0
+        for s in samples:
+            messages = with_protocol(s.messages, self.agent_prompt) if self.agent_prompt else s.messages
+            if self.vision is not None:
+                ids, images = self.vision.encode(messages, s.images)
+                # kept without pixels (processed again when drawn): a large dataset's page images
+                # are not held in memory
+                self._image_stubs[id(s)] = [replace(im, tensors={}, text="") for im in images]
+            else:
+                ids = encode_prompt(self.tokenizer, messages)
+            fitted = fit_prompt(ids, d.max_prompt_length, d.prompt_overflow)
+            if fitted is not None and len(fitted) < len(ids) and self.vision is not None:
+                cut = ids[: len(ids) - len(fitted)]
+                if any(t in self.vision.family.never_sampled() for t in cut):  # never cut through an image
+                    fitted = None
+            if fitted is None:
+                skipped += 1
+            elif len(fitted) < len(ids):
+                truncated += 1
+            prompts.append(fitted)
+        if samples and skipped == len(samples):
+            raise DataError(
+                f"every {what} prompt is longer than data.max_prompt_length={d.max_prompt_length} tokens; "
+                "raise it or set data.prompt_overflow=truncate"
+            )
+        if skipped or truncated:
+            log.warning(
+                "%s prompts over %d tokens: %d skipped, %d truncated", what, d.max_prompt_length, skipped, truncated
+            )
+        return prompts, {"data/prompts_skipped": skipped, "data/prompts_truncated": truncated}
+
+    def images_of(self, samples: list[Sample]) -> list[list] | None:
+        """The samples' prompt images, processed (pixels included), for a VLM policy."""
+        if self.vision is None:
+            return None
+        out = []
+        for s in samples:
+            images = [self.vision.prepare_image(image) for image in s.images]
+            stubs = self._image_stubs.get(id(s), [])
+            if [(i.num_tokens, i.grid) for i in images] != [(i.num_tokens, i.grid) for i in stubs]:
+                raise RuntimeError(f"the images of sample {s.uid!r} processed differently than when encoded")
+            out.append(images)
+        return out
+
+
+@dataclass
+class Parts:
+    """What `build` made; the trainer keeps them as its attributes of the same names."""
+
+    run_dir: Path
+    train_samples: list[Sample]
+    val_samples: list[Sample]
+    breakdown: str  # trainer.val_breakdown, or "" when the held-out data cannot use it
+    device: torch.device
+    ranks: Ranks
+    reward: CompositeReward
+    dtype: torch.dtype  # parameters
+    compute_dtype: torch.dtype | None  # the update's autocast (None: the parameters')
+    rollout_dtype: torch.dtype | None  # generation's autocast
+    engine_differs: bool  # the engine's log-probs can differ from the update's (bf16, vLLM)
+    rollout_is: str  # algorithm.rollout_is with auto resolved
+    tokenizer: Any
+    model: torch.nn.Module
+    is_lora: bool
+    vision: VisionProcessor | None
+    family: Any  # the VLM family (grouprl.vision.families), None for text
+    encoder: PromptEncoder
+    train_prompts: list[list[int] | None]
+    val_prompts: list[list[int] | None]
+    prompt_stats: dict[str, float]
+    sampler: PromptSampler | OnlineCurriculum
+    total_steps: int
+    ref_model: torch.nn.Module | str | None  # a frozen copy, "adapters-disabled" (LoRA), or none
+    policy: torch.nn.Module  # what the update runs: the model, or its FSDP2 root over several ranks
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    engine: RolloutEngine
+    agent: AgentLoop | None
+    single_turn: SingleTurn
+    streaming: StreamingRewards | None  # groups scored while the rest of the batch generates
+    updater: PolicyUpdater
+
+
+def make_sampler(cfg: Config, train_samples: list[Sample]) -> PromptSampler | OnlineCurriculum:
+    if cfg.data.sampler == "curriculum":  # draws by difficulty bucket, learns from each group
+        return OnlineCurriculum.from_samples(train_samples, cfg.data.train_batch_size, cfg.curriculum, cfg.trainer.seed)
+    return PromptSampler(len(train_samples), cfg.data.train_batch_size, cfg.data.sampler, cfg.trainer.seed)
+
+
+def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool):
+    """A frozen reference only when a KL coefficient needs it. With LoRA the reference is the base
+    model with adapters disabled, not a second copy."""
+    if cfg.algorithm.kl_coef <= 0 and cfg.actor.kl_loss_coef <= 0:
+        return None
+    if is_lora:
+        if cfg.algorithm.ref_refresh_steps:
+            raise UserError("algorithm.ref_refresh_steps needs full fine-tuning (model.lora.rank=0)")
+        return "adapters-disabled"
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+class Sharder:
+    """FSDP2 over a model when there are several ranks (parallel.shard); the model otherwise."""
+
+    def __init__(self, cfg: Config, ranks: Ranks, device: torch.device, dtype, compute_dtype):
+        self.cfg, self.ranks, self.device = cfg, ranks, device
+        self.compute = compute_dtype if compute_dtype not in (None, dtype) else None
+        self.mesh = None  # what FSDP shards over (actor.fsdp_size)
+
+    def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self.ranks.distributed:
+            return model
+        a = self.cfg.actor
+        reduce = torch.float32 if self.compute is not None and a.fsdp_reduce_dtype == "float32" else None
+        if self.mesh is None:
+            self.mesh = device_mesh(self.ranks, self.device.type, a.fsdp_size)
+        return shard(model, param_dtype=self.compute, reduce_dtype=reduce, offload=a.fsdp_offload, mesh=self.mesh)
+
+
+def build(cfg: Config) -> Parts:
+    seed_everything(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
+    # Everything the user can get wrong in data or rewards fails here, before the model loads.
+    train_samples, val_samples = load_data(cfg)
+    breakdown = breakdown_key(cfg.trainer.val_breakdown, val_samples)
+    device = resolve_device(cfg.trainer.device)
+    # torchrun / Ray ranks: each holds whole groups of every step (parallel.py)
+    ranks = Ranks.from_env(device.type)
+    # judges log to judge.jsonl; with several ranks each takes its share of a judge's cap
+    reward = CompositeReward.from_config(reward_config(cfg), run_dir=run_dir, rank=ranks.rank, world=ranks.world)
+    if ranks.distributed:
+        check_parallel(cfg, ranks)
+        if device.type == "cuda":
+            device = torch.device("cuda", ranks.local_rank)
+            torch.cuda.set_device(device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    compute_dtype = resolve_compute_dtype(cfg.actor.dtype, device, dtype)
+    rollout_dtype = resolve_rollout_dtype(cfg.rollout.dtype, device, dtype, compute_dtype)
+    # where the engine's numbers can differ from the update's (bf16, vLLM) it records its
+    # log-probs, and importance correction is on unless switched off (algorithm.rollout_is)
+    engine_differs = engine_may_differ(cfg.rollout.engine, dtype, compute_dtype, rollout_dtype)
+    rollout_is = cfg.algorithm.rollout_is
+    if rollout_is == "auto":
+        rollout_is = "token" if engine_differs else "off"
+    if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
+        log.warning(
+            "actor.policy_loss=gspo with loss_agg_mode=token-mean weighs a sequence by its length, "
+            "which the GSPO paper does not (its ratio is one per sequence); seq-mean-token-mean is GSPO's"
+        )
+    model_path = resolve_model_path(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, model_path)
+    check_images(cfg, train_samples + val_samples, model_config(cfg.model, model_path))
+    model = load_causal_lm(cfg.model, model_path, device, dtype)
+    # a VLM policy: the processor that turns prompts and observations with images into inputs
+    vision = (
+        VisionProcessor.load(
+            model_path,
+            model.config,
+            tokenizer,
+            min_pixels=cfg.data.image_min_pixels,
+            max_pixels=cfg.data.image_max_pixels,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        if is_vision_config(model.config)
+        else None
+    )
+    family = vision.family if vision is not None else None
+    encoder = PromptEncoder(cfg, tokenizer, vision)
+    train_prompts, prompt_stats = encoder.encode(train_samples, "training")
+    val_prompts, _ = encoder.encode(val_samples, "held-out")
+    sampler = make_sampler(cfg, train_samples)
+    total_steps = cfg.trainer.total_steps or sampler.steps_for_epochs(cfg.trainer.total_epochs)
+
+    is_lora = cfg.model.lora.rank > 0
+    ref_model = make_reference(cfg, model, is_lora)
+    sharder = Sharder(cfg, ranks, device, dtype, compute_dtype)
+    policy = sharder(model)
+    if isinstance(ref_model, torch.nn.Module):
+        ref_model = sharder(ref_model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    a = cfg.actor
+    mini_batches = cfg.data.train_batch_size // (a.mini_batch_size or cfg.data.train_batch_size)
+    optimizer = build_optimizer(params, a.optim)
+    scheduler = build_scheduler(optimizer, a.optim, total_steps * mini_batches * a.ppo_epochs)
+    engine = build_engine(
+        cfg.rollout,
+        model,
+        tokenizer,
+        model_path=model_path,
+        seed=cfg.trainer.seed,
+        dtype=rollout_dtype,
+        vision=family,
+        report_log_probs=cfg.rollout.check_log_probs or engine_differs or rollout_is != "off",
+    )
+    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
+    updater = PolicyUpdater(
+        a,
+        temperature=cfg.rollout.temperature,
+        pad_token_id=engine.pad_token_id,
+        skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
+        compute_dtype=compute_dtype,
+        rollout_is=rollout_is,
+        rollout_is_cap=cfg.algorithm.rollout_is_cap,
+        rollout_is_mode=cfg.algorithm.rollout_is_mode,
+        rollout_is_lower=cfg.algorithm.rollout_is_lower or None,
+        norm_length=norm_length(cfg),
+        vision=family,
+        ranks=ranks,
+    )
+    return Parts(
+        run_dir=run_dir,
+        train_samples=train_samples,
+        val_samples=val_samples,
+        breakdown=breakdown,
+        device=device,
+        ranks=ranks,
+        reward=reward,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        rollout_dtype=rollout_dtype,
+        engine_differs=engine_differs,
+        rollout_is=rollout_is,
+        tokenizer=tokenizer,
+        model=model,
+        is_lora=is_lora,
+        vision=vision,
+        family=family,
+        encoder=encoder,
+        train_prompts=train_prompts,
+        val_prompts=val_prompts,
+        prompt_stats=prompt_stats,
+        sampler=sampler,
+        total_steps=total_steps,
+        ref_model=ref_model,
+        policy=policy,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        agent=agent,
+        single_turn=SingleTurn(engine),
+        streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
+        updater=updater,
+    )

@@ -1,0 +1,468 @@
+"""One training step in two halves with one object between them:
+
+    Collector.collect(step) -> StepBatch     draw, rollout, score (streamed), curriculum,
+                                             dynamic filtering, dropped groups
+    Learner.learn(batch)    -> metrics       tensors, old/ref log-probs, advantages, the update,
+                                             the engine-trainer mismatch, the weight push
+
+A StepBatch owns this rank's groups of one step: samples, prompts, trajectories, their places
+in the step's whole batch, the policy version that sampled them, and what collecting measured.
+Several ranks: every rank collects its own groups (the same prompts drawn everywhere, each its
+block) and learns on them; decisions that change which groups train (dynamic filtering, judge
+failures) are taken over every rank's groups, so the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from grouprl.algorithms import compute_advantages, kl_estimate, logprob_mismatch, turn_index
+from grouprl.config import Config
+from grouprl.curriculum.filtering import prompts_to_draw, select_groups
+from grouprl.curriculum.online import OnlineCurriculum
+from grouprl.data import Sample
+from grouprl.rewards.composite import JudgeUnavailableError, groups_to_drop, judges_down
+from grouprl.rewards.streaming import batch_summary, combine
+from grouprl.rollout.engines import SamplingParams, rollout_phase
+from grouprl.rollout.engines.streams import RowStreams, mix_seed
+from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.models import autocast
+from grouprl.trainer.parallel import gathered, reduce_metrics, state_gb
+from grouprl.trainer.update import build_step_tensors
+
+log = logging.getLogger(__name__)
+
+EVALUATION_STREAM = 2**62  # a step number no run reaches: evaluation's own streams
+
+
+def peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # Linux reports KiB
+
+
+@dataclass
+class StepBatch:
+    """This rank's groups of one step, scored: what collect hands learn."""
+
+    step: int  # steps done before this one (the sampling streams are keyed by it)
+    version: int  # the policy version (updates done) whose weights sampled it
+    samples: list[Sample]
+    prompts: list[list[int]]
+    trajectories: list[Trajectory]  # n per group, groups in batch order; pads last
+    groups: list[int]  # each group's place in the step's whole batch (over every rank)
+    pads: int = 0  # zero-mask copies that keep the ranks' shares equal (after dropped groups)
+    dropped_groups: int = 0  # groups a failed judge took out, over every rank
+    metrics: dict[str, float] = field(default_factory=dict)  # what collecting measured
+    started: float = 0.0  # perf_counter when collecting began
+    pushed_before: float | None = None  # the engine's push seconds then (an engine with its own weights)
+
+    @property
+    def real(self) -> list[Trajectory]:
+        """The trajectories without the pads."""
+        n = len(self.trajectories) // max(len(self.samples), 1)
+        return self.trajectories[: len(self.trajectories) - self.pads * n]
+
+
+def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
+    """One value per metric over the ranks (reduce_metrics); reward and judge metrics are
+    combined from every rank's (counts summed, means averaged where a rank has one), so a key
+    only some ranks have (a judge's scores where one rank's calls all failed) is no error."""
+    if not ranks.distributed:
+        return reduce_metrics(metrics, ranks)
+    scored = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(("reward/", "judge/"))]}
+    return {**reduce_metrics(metrics, ranks), **combine(ranks.gather((1.0, scored)))}
+
+
+class Collector:
+    """Draws a step's prompts, rolls them out (single-turn or agent) and scores them."""
+
+    def __init__(self, cfg: Config, parts):
+        """`parts`: setup.Parts (sampler, prompts, engine, rollout, rewards, ranks, ...)."""
+        self.cfg, self.p = cfg, parts
+        self.ranks = parts.ranks
+        self.runner = parts.agent if parts.agent is not None else parts.single_turn
+        self._calls = 0  # rollouts of the current step (a refill draws new streams)
+        self._step = 0
+
+    # ------------------------------------------------------------------ rollout
+    def sampling_params(self, evaluation: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_response_length,
+            temperature=r.val_temperature if evaluation else r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            stop=list(r.stop),
+        )
+
+    def rollout(
+        self,
+        samples: list[Sample],
+        prompts: list[list[int]],
+        n: int,
+        evaluation=False,
+        on_group: Callable[[list[Trajectory]], None] | None = None,
+        first_group: int | list[int] = 0,
+    ) -> list[Trajectory]:
+        """n trajectories per prompt, prompt-major; `on_group(group)` gets each prompt's n
+        trajectories as soon as they are all complete (streaming rewards). `first_group`: the
+        index of `prompts[0]` in the step's whole batch (over all ranks), or every prompt's."""
+        # every trajectory samples from its own stream, keyed by (seed, step, rollout call) and its
+        # place in the step's batch: the tokens do not depend on batching, ranks or a resume;
+        # evaluation has streams of its own, so evaluating does not change what training samples
+        seed = self.cfg.trainer.seed
+        if evaluation:
+            stream_seed = mix_seed(seed, EVALUATION_STREAM)
+        else:
+            stream_seed, self._calls = mix_seed(seed, self._step, self._calls), self._calls + 1
+        groups = first_group if isinstance(first_group, list) else [first_group + i for i in range(len(prompts))]
+        generator = RowStreams(stream_seed, [g * n + j for g in groups for j in range(n)])
+        images = self.p.encoder.images_of(samples)
+        with_images = {"images": images} if images is not None else {}
+        # several ranks: generation runs on the whole weights
+        with gathered(self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
+            return self.runner.run(
+                samples,
+                prompts,
+                n,
+                self.sampling_params(evaluation),
+                generator,
+                on_group_done=(lambda i, group: on_group(group)) if on_group is not None else None,
+                **with_images,
+            )
+
+    def next_prompts(self, extra: int = 0) -> tuple[list[Sample], list[list[int]]]:
+        """The step's prompts, or `extra` more of them (dynamic filtering) from the curriculum."""
+        p = self.p
+        want = extra or self.cfg.data.train_batch_size
+        samples, prompts = [], []
+        first = not extra
+        while len(samples) < want:  # skipped (over-long) prompts are redrawn
+            if first:
+                drawn, first = p.sampler.next_batch(), False
+            else:  # a refill is part of the same step: the curriculum's draw() does not count a step
+                drawn = p.sampler.draw(want - len(samples)) if hasattr(p.sampler, "draw") else p.sampler.next_batch()
+            for i in drawn:
+                if p.train_prompts[i] is not None and len(samples) < want:
+                    samples.append(p.train_samples[i])
+                    prompts.append(p.train_prompts[i])
+        return samples, prompts
+
+    # ------------------------------------------------------------------ one step's batch
+    def collect(self, step: int, version: int | None = None) -> StepBatch:
+        """The step's groups, generated and scored (an engine that sleeps between rollouts wakes
+        for it). Raises JudgeUnavailableError, on every rank alike, when a judge stopped answering."""
+        self._step, self._calls = step, 0
+        started = time.perf_counter()
+        pushed = getattr(self.p.engine, "push_seconds", None)  # an engine with its own copy of the weights
+        with rollout_phase(self.p.engine):
+            batch = self._rollout_and_score(step)
+        batch.version = step if version is None else version
+        batch.started, batch.pushed_before = started, pushed
+        batch.metrics.update(
+            {
+                **self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
+                "train/epoch": float(self.p.sampler.epoch),
+                **self.p.prompt_stats,
+            }
+        )
+        return batch
+
+    def _rollout_and_score(self, step: int) -> StepBatch:
+        """Generate and score the step's groups. With curriculum.dynamic_filter, over-sample prompts
+        (at most max_oversample x B) and keep B groups whose rewards are not all equal.
+
+        Groups a failed judge dropped (on_failure: drop_group) leave the batch on every rank alike
+        (decided over every rank's groups), and the kept groups are shared out again, each rank
+        its part of every mini-batch. A mini-batch whose kept groups do not split evenly over the
+        ranks is padded: the ranks short of a group get a copy of a kept group with an all-zero
+        loss mask, which adds no term to the loss and no token or row to its denominators, so the
+        update is the one of one process on the kept groups. The pads come last in this rank's
+        lists (`StepBatch.pads` of them); learn leaves them out of everything it reports."""
+        c, n, p = self.cfg, self.cfg.rollout.n_agent, self.p
+        clock = {"generate": 0.0, "reward": 0.0, "reward_hidden": 0.0}
+        p.reward.judge_report()  # an evaluation's judge calls are not this step's
+        out = StepBatch(step=step, version=step, samples=[], prompts=[], trajectories=[], groups=[])
+
+        def generate_and_score(samples, prompts, first_group=0):
+            t0 = time.perf_counter()
+            if p.streaming is not None:
+                trajectories = self.rollout(samples, prompts, n, on_group=p.streaming.submit, first_group=first_group)
+                t1 = time.perf_counter()
+                metrics = p.streaming.finish(t1)
+                clock["reward_hidden"] += metrics.pop("time/reward_hidden")
+                metrics.pop("time/reward_span")
+                clock["reward"] += metrics.pop("time/reward")
+            else:
+                trajectories = self.rollout(samples, prompts, n, first_group=first_group)
+                t1 = time.perf_counter()
+                metrics = p.reward.score(trajectories)
+                clock["reward"] += time.perf_counter() - t1
+            clock["generate"] += t1 - t0
+            metrics.update(self.runner.stats)
+            if p.reward.judges:  # a judge that stopped answering stops the run, on every rank alike
+                r = c.reward
+                why = judges_down(self.ranks.gather(p.reward.judge_report()), r.max_consecutive_failures, r.max_failed_share)
+                if why is not None:
+                    raise JudgeUnavailableError(why)
+            return trajectories, metrics
+
+        def group_rewards() -> list[list[float]]:
+            return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
+
+        def share_out(kept):
+            """This rank's part of every mini-batch of `kept` (the whole batch's (place, sample,
+            prompt, group) in order), a short last mini-batch padded to a multiple of the ranks."""
+            size = c.actor.mini_batch_size or len(kept)
+            places = []
+            for start in range(0, len(kept), size):
+                k = -(-min(size, len(kept) - start) // self.ranks.world)  # this rank's part, rounded up
+                places += [start + self.ranks.rank * k + i for i in range(k)]
+            out.groups = [g for g in places if g < len(kept)]
+            out.pads = len(places) - len(out.groups)
+            chosen = [kept[g] for g in out.groups]
+            if out.pads:  # the kept group with the fewest tokens to run, adding nothing to the loss
+                _, sample, prompt, group = min(kept, key=lambda x: sum(len(t.response_ids) for t in x[3]))
+                for _ in range(out.pads):
+                    pad = [dataclasses.replace(t, loss_mask=[0] * len(t.loss_mask)) for t in group]
+                    chosen.append((None, sample, prompt, pad))
+            return [x[1] for x in chosen], [x[2] for x in chosen], [t for x in chosen for t in x[3]]
+
+        samples, prompts = self.next_prompts()  # the whole step's, the same on every rank
+        # this rank's whole groups: its part of every mini-batch, so that each optimizer step
+        # sees the groups it sees in one process
+        mine = self.ranks.share(len(samples), block=c.actor.mini_batch_size or len(samples))
+        samples, prompts = [samples[g] for g in mine], [prompts[g] for g in mine]
+        out.groups = mine
+        trajectories, metrics = generate_and_score(samples, prompts, mine)
+        curriculum = isinstance(p.sampler, OnlineCurriculum)
+        if curriculum and c.curriculum.dynamic_filter:
+            kept, metrics = self._filter_groups(out, samples, prompts, trajectories, metrics, generate_and_score)
+            samples, prompts, trajectories = share_out(kept)
+        else:
+            # a judge failed under on_failure=drop_group: the group leaves the batch on every rank
+            dropped = set()
+            if p.reward.drops:
+                dropped = set().union(*self.ranks.gather(groups_to_drop(trajectories)))
+            if curriculum:
+                # every scored group teaches the tracker, on every rank in the same order
+                mine = [(g, s.uid, r) for g, s, r in zip(out.groups, samples, group_rewards()) if s.uid not in dropped]
+                for _, uid, group in sorted(x for part in self.ranks.gather(mine) for x in part):
+                    p.sampler.update(uid, group)
+            if dropped:
+                own = sum(s.uid in dropped for s in samples)  # summed over the ranks in the metrics
+                mine = [
+                    (g, s, q, trajectories[i * n : (i + 1) * n]) for i, (g, s, q) in enumerate(zip(out.groups, samples, prompts))
+                ]
+                batch = sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
+                kept = [x for x in batch if x[1].uid not in dropped]
+                samples, prompts, trajectories = share_out(kept)
+                for key in ("reward/dropped", "reward/dropped_groups"):  # batch/dropped_groups says it
+                    metrics.pop(key, None)
+                metrics.update(batch_summary([t for x in kept for t in x[3]]))
+                metrics["batch/dropped_groups"] = float(own)
+                out.dropped_groups += len(batch) - len(kept)
+        if curriculum:
+            metrics.update(p.sampler.metrics())
+        metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
+        if p.streaming is not None:  # reward work that overlapped generation (not waited for)
+            metrics["time/reward_hidden"] = clock["reward_hidden"]
+        out.samples, out.prompts, out.trajectories, out.metrics = samples, prompts, trajectories, metrics
+        return out
+
+    def _filter_groups(self, out: StepBatch, samples, prompts, trajectories, metrics, generate_and_score):
+        """curriculum.dynamic_filter: over-sample prompts (at most max_oversample x B) until B
+        groups whose rewards are not all equal, over every rank's groups; a group a failed judge
+        dropped (on_failure=drop_group) counts as drawn, never as kept. Refills are split over
+        the ranks like the first draw. Returns the kept groups of the whole batch in draw order,
+        as (place, sample, prompt, trajectories), for the caller to share out again (each rank
+        its part of every mini-batch, so the run equals one process's), and the step's metrics."""
+        c, n, B = self.cfg, self.cfg.rollout.n_agent, self.cfg.data.train_batch_size
+        sampler = self.p.sampler
+        scored = [(len(trajectories), metrics)]  # every scoring's metrics: counts add up
+        own = list(out.groups)  # the places of the groups this rank generated
+
+        def whole(places, samples, prompts, trajectories):  # every rank's groups, in batch order
+            mine = [(g, samples[i], prompts[i], trajectories[i * n : (i + 1) * n]) for i, g in enumerate(places)]
+            return sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
+
+        def rewards():  # a dropped group's: none (no signal)
+            dropped = groups_to_drop([t for *_, group in batch for t in group])
+            return [[] if sample.uid in dropped else [t.reward for t in group] for _, sample, _, group in batch]
+
+        batch = whole(out.groups, samples, prompts, trajectories)
+        while (k := prompts_to_draw(rewards(), B, c.curriculum.max_oversample)) > 0:
+            more_samples, more_prompts = self.next_prompts(extra=k)  # the same on every rank
+            part = list(self.ranks.split(k))
+            picked = [more_samples[i] for i in part], [more_prompts[i] for i in part]
+            more, more_metrics = generate_and_score(*picked, part)
+            scored.append((len(more), more_metrics))
+            own += [len(batch) + i for i in part]
+            batch += whole([len(batch) + i for i in part], *picked, more)
+        found = rewards()
+        for (_, sample, _, _), group in zip(batch, found):  # every scored group teaches the tracker
+            if group:
+                sampler.update(sample.uid, group)
+        usable = [g for g, group in enumerate(found) if group]
+        selection = select_groups([found[g] for g in usable], B)
+        sampler.note_selection(selection)
+        kept = [batch[usable[g]] for g in selection.keep]
+        counted = ("reward/errors", "reward/gated/", "judge/")  # over every scoring of the step
+        metrics = combine([(w, {k: v for k, v in m.items() if k.startswith(counted)}) for w, m in scored])
+        metrics.update(batch_summary([t for x in kept for t in x[3]]))
+        metrics["batch/generated_groups"] = float(len(batch))
+        metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
+        if len(usable) < len(batch):
+            metrics["batch/dropped_groups"] = float(sum(not found[g] for g in own))  # summed over the ranks
+            out.dropped_groups += len(batch) - len(usable)
+        return kept, metrics
+
+
+class Learner:
+    """Turns a StepBatch into an update of the policy and pushes the new weights to the engine."""
+
+    def __init__(self, cfg: Config, parts):
+        """`parts`: setup.Parts (policy, reference, updater, optimizer, engine, ranks, ...)."""
+        self.cfg, self.p = cfg, parts
+        self.ranks = parts.ranks
+        self.updating = False  # between the first optimizer step and the push: weights in between
+
+    def ref_log_probs(self, tensors):
+        p = self.p
+        if p.ref_model == "adapters-disabled":
+            with p.model.disable_adapter():
+                return p.updater.score_all(p.policy, tensors)
+        return p.updater.score_all(p.ref_model, tensors)
+
+    def learn(self, batch: StepBatch) -> dict[str, float]:
+        """Advantages, the update (ppo_epochs x mini-batches), the mismatch figures and the push;
+        the step's metrics, one value each over the ranks. `batch.trajectories` get their advantages."""
+        c, p, n = self.cfg, self.p, self.cfg.rollout.n_agent
+        t_reward = time.perf_counter()
+        trajectories, metrics = batch.trajectories, dict(batch.metrics)
+        real = len(batch.real)  # this rank's rows before its pads
+        tensors = build_step_tensors(
+            trajectories, p.device, mask_truncated=c.rollout.mask_truncated, pad_token_id=p.engine.pad_token_id
+        )
+        # the trainer's own log-probs of the sampled tokens, when a loss is taken after a first
+        # optimizer step or for a KL penalty; else the update's own first pass gives them (and,
+        # against an engine with its own copy of the weights, keeps them for the mismatch metrics)
+        if p.updater.needs_old_log_probs(len(batch.samples), tensors) or c.algorithm.kl_coef > 0:
+            tensors.old_log_probs = p.updater.score_all(p.policy, tensors)
+        # importance masking: what leaves the band leaves the loss mask (every term, every denominator)
+        p.updater.reject(tensors)
+        if p.ref_model is not None:
+            tensors.ref_log_probs = self.ref_log_probs(tensors)
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        kl_seq = None
+        if c.algorithm.kl_coef > 0:  # KL as a reward penalty: r - beta * sum_t KL_t
+            kl = kl_estimate(tensors.old_log_probs, tensors.ref_log_probs, c.algorithm.kl_penalty)
+            kl_seq = (kl * tensors.loss_mask).sum(-1).cpu()
+            rewards = rewards - c.algorithm.kl_coef * kl_seq
+        advantages = torch.zeros(len(trajectories))  # a pad's: masked out of the loss anyway
+        if real:  # a group = one drawn prompt
+            advantages[:real] = compute_advantages(
+                c.algorithm.adv_estimator,
+                rewards[:real],
+                [k // n for k in range(real)],
+                norm_by_std=c.algorithm.norm_adv_by_std,
+                epsilon=c.algorithm.adv_epsilon,
+            )
+        for t, a in zip(trajectories, advantages.tolist()):
+            t.advantage = a
+        tensors.advantages = advantages.to(p.device)
+        t_prep = time.perf_counter()
+
+        self.updating = True
+        update = p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, len(batch.samples), p.params)
+        metrics.update(update.metrics)
+        if update.old_log_probs is not None:  # on policy: the log-probs the update took as old
+            tensors.old_log_probs = update.old_log_probs
+        t_update = time.perf_counter()
+        if tensors.rollout_log_probs is not None:  # vLLM's own copy, or the hf engine's record
+            metrics.update(self.rollout_correction(tensors))
+        p.engine.weights_updated(p.model)  # the next rollout samples from the new weights
+        t_synced = time.perf_counter()
+        self.updating = False
+        metrics["time/weight_sync"] = t_synced - t_update
+        if batch.pushed_before is not None:  # pushes, wherever they ran (a sleeping engine pushes when it wakes)
+            metrics["time/weight_push"] = p.engine.push_seconds - batch.pushed_before
+            metrics["perf/engine_freed_gb"] = getattr(p.engine, "last_sleep_freed_bytes", 0) / 1024**3
+
+        kept = batch.real  # the pads' work is done
+        prompts = batch.prompts[: real // n]
+        # the batch's figures over every rank's rows: the same on every rank, whatever its share
+        own = {
+            "adv": advantages[:real].tolist(),
+            "length": [len(t.response_ids) for t in kept],
+            "truncated": [t.truncated for t in kept],
+            "flat": (rewards[:real].view(-1, n).std(-1, unbiased=False) == 0).float().tolist(),
+            "kl": kl_seq[:real].tolist() if kl_seq is not None else [],
+        }
+        every = {key: [v for part in self.ranks.gather(own) for v in part[key]] for key in own}
+        adv = torch.tensor(every["adv"])
+        lengths = torch.tensor(every["length"], dtype=torch.float32)
+        if kl_seq is not None:
+            metrics["reward/kl_penalty"] = float(torch.tensor(every["kl"]).mean())
+        gen_tokens = float(sum(own["length"]))  # this rank's (tokens per second add up over the ranks)
+        all_tokens = gen_tokens + sum(len(q) for q in prompts) * n
+        metrics.update(
+            {
+                "adv/mean": float(adv.mean()),
+                "adv/std": float(adv.std()) if len(adv) > 1 else 0.0,
+                "adv/max": float(adv.max()),
+                "adv/min": float(adv.min()),
+                "batch/zero_std_groups": float(torch.tensor(every["flat"]).mean()),
+                "response/length_mean": float(lengths.mean()),
+                "response/length_max": float(lengths.max()),
+                "response/truncated_frac": float(np.mean(every["truncated"])),
+                "time/old_ref_log_probs": t_prep - t_reward,
+                "time/update": t_update - t_prep,
+                "time/step": t_synced - batch.started,
+                "perf/gen_tokens_per_s": gen_tokens / max(metrics["time/generate"], 1e-9),
+                "perf/tokens_per_s": all_tokens / max(t_synced - batch.started, 1e-9),
+                "perf/peak_rss_gb": peak_rss_gb(),
+                "perf/state_gb": state_gb(p.model, p.optimizer),
+            }
+        )
+        if torch.cuda.is_available() and p.device.type == "cuda":
+            metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        return reduce_step_metrics(metrics, self.ranks)  # one value per metric over the ranks
+
+    def rollout_correction(self, tensors) -> dict[str, float]:
+        """How far the engine's log-probs are from the trainer's old ones on the policy's sampled
+        tokens (gap, KL, chi-square; per turn for agents) and, with algorithm.rollout_is, what
+        the correction did (mean weight, effective sample size, capped or masked share)."""
+        a, p = self.cfg.algorithm, self.p
+        old, rollout = tensors.old_log_probs.float(), tensors.rollout_log_probs.float()
+        mask = tensors.policy_mask if tensors.policy_mask is not None else tensors.loss_mask
+        found = logprob_mismatch(old, rollout, mask, a.mismatch_threshold)
+        metrics = {
+            f"rollout/{k if k.startswith(('kl_', 'chi2_')) else f'mismatch_{k}'}": float(v) for k, v in found.items()
+        }
+        if p.rollout_is != "off":
+            _, _, is_metrics = p.updater.correction(tensors, mask)
+            metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
+        if p.agent is not None:  # per policy turn, over every rank's tokens
+            turns = turn_index(mask)  # [N, R]
+            log_w = (old - rollout).clamp(-20, 20)
+            gap, k3 = log_w.abs(), torch.exp(log_w) - 1 - log_w
+            sums = []
+            for k in range(1, self.cfg.agent.max_turns + 1):
+                here = turns == k
+                sums += [float(gap[here].sum()), float(k3[here].sum()), float(here.sum())]
+            sums = self.ranks.reduce(sums)
+            for k in range(1, self.cfg.agent.max_turns + 1):
+                gap_sum, k3_sum, count = sums[3 * (k - 1) : 3 * k]
+                if count:
+                    metrics[f"rollout/mismatch_mean/turn_{k}"] = gap_sum / count
+                    metrics[f"rollout/kl_k3/turn_{k}"] = k3_sum / count
+        return metrics
