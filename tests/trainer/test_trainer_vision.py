@@ -170,3 +170,21 @@ def test_a_vlm_policy_goes_to_the_vllm_engine(tmp_path):
 
     with pytest.raises(ModelLoadError, match="rollout.engine=vllm needs vLLM"):
         trainer_for(tmp_path, "idefics3", "rollout.engine=vllm")
+
+
+def test_an_engine_that_sees_a_prompts_images_otherwise_names_the_sample(tmp_path, monkeypatch):
+    """The engine's check of a prompt's images (vLLM: token count, ids, pixels against the
+    trainer's) says which prompt of its call; the step's error names that sample."""
+    from grouprl.errors import ModelLoadError
+    from grouprl.rollout.engines.vllm import ImageMismatch
+
+    trainer = trainer_for(tmp_path, "qwen2_vl", "trainer.total_steps=1")
+
+    def mismatched(prompts, *args, **kwargs):
+        raise ImageMismatch(1, "prompt 1, image 0 (40x56): vLLM expands it to 2 image tokens, the trainer's processor to 1")
+
+    monkeypatch.setattr(trainer.engine, "generate", mismatched)
+    samples, prompts = trainer.collector.next_prompts()
+    with pytest.raises(ModelLoadError) as caught:
+        trainer.collector.rollout(samples, prompts, 2)
+    assert str(caught.value).startswith(f"sample {samples[1].uid!r}: prompt 1, image 0 (40x56): vLLM expands")

@@ -28,6 +28,7 @@ from grouprl.config import Config
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import Sample
+from grouprl.errors import ModelLoadError
 from grouprl.rewards.composite import JudgeUnavailableError, groups_to_drop, judges_down
 from grouprl.rewards.streaming import batch_summary, combine
 from grouprl.rollout.engines import SamplingParams, rollout_phase
@@ -129,15 +130,21 @@ class Collector:
         with_images = {"images": images} if images is not None else {}
         # several ranks: generation runs on the whole weights
         with gathered(self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
-            return self.runner.run(
-                samples,
-                prompts,
-                n,
-                self.sampling_params(evaluation),
-                generator,
-                on_group_done=(lambda i, group: on_group(group)) if on_group is not None else None,
-                **with_images,
-            )
+            try:
+                return self.runner.run(
+                    samples,
+                    prompts,
+                    n,
+                    self.sampling_params(evaluation),
+                    generator,
+                    on_group_done=(lambda i, group: on_group(group)) if on_group is not None else None,
+                    **with_images,
+                )
+            except ModelLoadError as e:  # the engine saw a prompt's images otherwise: name the sample
+                prompt = getattr(e, "prompt", None)
+                if prompt is None or self.p.agent is not None:  # an agent's later turns index rows
+                    raise
+                raise ModelLoadError(f"sample {samples[prompt].uid!r}: {e}") from None
 
     def next_prompts(self, extra: int = 0) -> tuple[list[Sample], list[list[int]]]:
         """The step's prompts, or `extra` more of them (dynamic filtering) from the curriculum."""
