@@ -37,6 +37,21 @@ def load_error(fn, *args) -> str:
 
 
 # ------------------------------------------------------------------------- device and dtype
+def test_cudnn_attention_left_out_on_cuda_only():
+    """cuDNN's fused attention rebuilds a graph per new shape (RL's every micro-batch): off on a
+    CUDA device, untouched elsewhere. The switch is a process flag, readable without a GPU."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        models.shape_stable_attention(CPU)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        models.shape_stable_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 def test_devices_and_dtypes():
     assert resolve_device("cpu") == CPU
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -40,6 +40,7 @@ from grouprl.trainer.models import (
     resolve_dtype,
     resolve_model_path,
     resolve_rollout_dtype,
+    shape_stable_attention,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, shard
@@ -296,6 +297,7 @@ def build(cfg: Config) -> Parts:
         if device.type == "cuda":
             device = torch.device("cuda", ranks.local_rank)
             torch.cuda.set_device(device)
+    shape_stable_attention(device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     compute_dtype = resolve_compute_dtype(cfg.actor.dtype, device, dtype)
     rollout_dtype = resolve_rollout_dtype(cfg.rollout.dtype, device, dtype, compute_dtype)

@@ -51,6 +51,7 @@ from grouprl.trainer.models import (
     resolve_device,
     resolve_dtype,
     resolve_model_path,
+    shape_stable_attention,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.sft_data import Conversation, TokenizedConversation, load_conversations, tokenize_all
@@ -364,6 +365,7 @@ def run_sft(cfg: Config) -> dict:
     reward = CompositeReward.from_config(reward_config(cfg), run_dir=out) if held_out else None
 
     device = resolve_device(cfg.trainer.device)
+    shape_stable_attention(device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     model_path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(cfg.model, model_path)

@@ -107,6 +107,11 @@ def _describe(e: BaseException) -> str:
 def serve(conn, configs: list, cache_dir: str) -> None:
     """The worker process: load, say ready (or why not), then answer (id, name, items) until None."""
     try:
+        import torch
+
+        # the trainer's reason (trainer.models.shape_stable_attention): texts of every length
+        # would make cuDNN's fused attention build a graph per batch shape
+        torch.backends.cuda.enable_cudnn_sdp(False)
         models = Models(configs, cache_dir)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer as one line
         conn.send(("failed", f"{type(e).__name__}: {e}"))
