@@ -198,6 +198,7 @@ def test_the_vllm_engine_without_vllm_is_one_line(capsys, tmp_path, monkeypatch)
     model_dir = tmp_path / "model"
     tiny_model_and_tokenizer(model_dir)
     data = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    capsys.readouterr()  # what writing the model printed (a progress bar) is not the command's
     message = one_line_error(
         capsys, "train", f"data.train_files=[{data}]", f"model.path={model_dir}", "rollout.engine=vllm",
         f"trainer.output_dir={tmp_path}/runs",

@@ -71,8 +71,6 @@ def test_metrics_combine_by_kind():
     "override,message",
     [
         ("model.quantization=4bit", r"model.quantization=4bit runs in one process only \(this run has 2 ranks\)"),
-        ("rollout.engine=vllm", r"rollout.engine=vllm runs in one process only \(this run has 2 ranks\)"),
-        ("model.freeze_vision_tower=false", r"model.freeze_vision_tower=false runs in one process only"),
         ("data.train_batch_size=3", r"data.train_batch_size=3 must be a multiple of the number of ranks \(2\)"),
     ],
 )

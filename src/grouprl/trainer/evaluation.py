@@ -27,7 +27,7 @@ from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.image_report import eval_rows
 from grouprl.trainer.loggers import clean
 from grouprl.trainer.models import resolve_model_path
-from grouprl.trainer.parallel import gathered
+from grouprl.trainer.step import policy_for_generation
 
 Progress = Callable[[int, int], None]  # (done, total) after each chunk
 
@@ -211,7 +211,7 @@ class Evaluator:
         batch = self.cfg.rollout.gen_batch_size or 64
         mine = self.ranks.split(len(keep))  # several ranks: each answers its block
         trajectories: list[Trajectory] = []
-        with gathered(p.policy), rollout_phase(p.engine):
+        with policy_for_generation(self.cfg, p.policy), rollout_phase(p.engine):
             for start in range(mine.start, mine.stop, batch):
                 chunk = keep[start : min(start + batch, mine.stop)]
                 trajectories += self.collector.rollout(

@@ -3,9 +3,9 @@
 Launched by `torchrun --nproc-per-node N -m grouprl train cfg.yaml` (or `--nnodes`), every rank
 runs the same loop. All ranks draw the same global batch; rank r keeps a contiguous block of
 whole groups (a group's n samples never span ranks, so advantages stay exact), generates,
-scores and updates on it. The model is sharded with FSDP2 (`fully_shard` per decoder layer and
-once at the root); the loss weights are global (see update.py), so the summed gradient equals
-the gradient of one process on the whole batch.
+scores and updates on it. The model is sharded with FSDP2 (`fully_shard` per decoder layer, a
+VLM's vision layers too, and once at the root); the loss weights are global (see update.py), so
+the summed gradient equals the gradient of one process on the whole batch.
 
 Everything the update runs goes through `Policy.__call__(fn, ...)`, a root module whose forward
 calls `fn(model, ...)`, so FSDP's hooks see it while the log-prob code keeps reading the head's
@@ -182,14 +182,27 @@ class Policy(torch.nn.Module):
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP shards one by one (the classes transformers names as never to
-    be split across devices)."""
+    """The repeated blocks FSDP shards one by one: the classes transformers names as never to be
+    split across devices (a VLM's decoder and vision layers), each widened to the layer list's
+    entry that holds it alone (Idefics3 names its vision attention: its encoder layer is the
+    block, MLP included)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
+    modules = dict(model.named_modules())
+    found = [n for n, m in modules.items() if type(m).__name__ in names]
+    lists = [(n, m) for n, m in modules.items() if isinstance(m, torch.nn.ModuleList)]
+    entries = {f"{n}.{i}" for n, m in lists for i in range(len(m))}
+    blocks: list[str] = []
+    for name in found:
+        parts = name.split(".")
+        entry = next((e for k in range(len(parts), 0, -1) if (e := ".".join(parts[:k])) in entries), None)
+        held = [f for f in found if entry is not None and (f == entry or f.startswith(entry + "."))]
+        block = entry if len(held) == 1 else name
+        if block not in blocks:
+            blocks.append(block)
+    if not blocks:
         raise UserError(f"cannot find the decoder layers of {type(base).__name__} to shard")
-    return layers
+    return [modules[b] for b in blocks]
 
 
 def device_mesh(ranks: Ranks, device_type: str, shard_size: int = -1):
@@ -305,16 +318,36 @@ def accumulating(model) -> Iterator[None]:
             m.reshard()
 
 
-def sync_gradients(model, pad_token_id: int) -> None:
-    """Inside `accumulating`: one pass of zero weight on every rank, whose backward
-    reduce-scatters every module's accumulated gradients (summed over ranks, / world)."""
+def sync_pass(model, pad_token_id: int, vision=None) -> torch.Tensor:
+    """The sum, times zero, of the logits of one pad token and (with `vision`, a VLM family) of
+    the image features of its `blank` image: a loss whose backward gives every trainable weight
+    a gradient of exact zeros (added to what it holds, it changes nothing)."""
+
+    def outputs(m):
+        logits = m(input_ids=torch.tensor([[pad_token_id]], device=next(m.parameters()).device)).logits
+        return logits, vision.features(m, [vision.blank()]) if vision is not None else None
+
+    logits, features = run(model, outputs)
+    total = logits.float().sum()
+    if features is not None:
+        total = total + features.float().sum()
+    return total * 0.0
+
+
+def sync_gradients(model, pad_token_id: int, vision=None) -> None:
+    """Inside `accumulating`: one pass of zero weight on every rank (`sync_pass`), whose backward
+    reduce-scatters every module's accumulated gradients (summed over ranks, / world). FSDP
+    reduces the weights that hold a gradient, so the ranks must hold one for the same weights:
+    `vision` (given on every rank when any rank's rows of the mini-batch had images) runs the
+    tower and connector too, and a rank that saw no image sends zeros. With no image on any rank
+    no rank's tower holds a gradient, and it is not stepped, as in one process."""
     if not isinstance(model, Policy):
         return
     for m in _fsdp_modules(model):
         m.set_requires_gradient_sync(True, recurse=False)
-    token = torch.tensor([[pad_token_id]], device=next(model.parameters()).device)
-    logits = model(lambda m: m(input_ids=token).logits)
-    (logits.float().sum() * 0.0).backward()
+    loss = sync_pass(model, pad_token_id, vision)
+    if loss.requires_grad:  # nothing trainable ran (a frozen language model, no image): nothing to reduce
+        loss.backward()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -108,12 +108,6 @@ def check_parallel(cfg: Config, ranks: Ranks) -> None:
         raise UserError(
             f"model.quantization={cfg.model.quantization} runs in one process only (this run has {world} ranks)"
         )
-    if not cfg.model.freeze_vision_tower:  # the gradient sync pass is text only
-        raise UserError(
-            f"model.freeze_vision_tower=false runs in one process only for now (this run has {world} ranks)"
-        )
-    if cfg.rollout.engine != "hf":
-        raise UserError(f"rollout.engine={cfg.rollout.engine} runs in one process only (this run has {world} ranks)")
 
 
 def check_images(cfg: Config, samples: list[Sample], config) -> None:
@@ -356,6 +350,8 @@ def build(cfg: Config) -> Parts:
         dtype=rollout_dtype,
         vision=family,
         report_log_probs=cfg.rollout.check_log_probs or engine_differs or rollout_is != "off",
+        sharded=policy if policy is not model else None,  # each rank's engine, fed layer by layer
+        device=device,
     )
     agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
     updater = PolicyUpdater(

@@ -14,6 +14,7 @@ failures) are taken over every rank's groups, so the ranks stay in step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -72,6 +73,13 @@ class StepBatch:
         return self.trajectories[: len(self.trajectories) - self.pads * n]
 
 
+def policy_for_generation(cfg: Config, policy):
+    """Several ranks: the built-in engine generates with the trainer's own model, so its weights
+    are whole for the rollout (`gathered`); an engine with its own copy (vLLM) needs nothing of
+    them, and the ranks do not hold the whole model beside it."""
+    return gathered(policy) if cfg.rollout.engine == "hf" else contextlib.nullcontext()
+
+
 def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
     """One value per metric over the ranks (reduce_metrics); reward and judge metrics are
     combined from every rank's (counts summed, means averaged where a rank has one), so a key
@@ -128,8 +136,7 @@ class Collector:
         generator = RowStreams(stream_seed, [g * n + j for g in groups for j in range(n)])
         images = self.p.encoder.images_of(samples)
         with_images = {"images": images} if images is not None else {}
-        # several ranks: generation runs on the whole weights
-        with gathered(self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
+        with policy_for_generation(self.cfg, self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
             try:
                 return self.runner.run(
                     samples,

@@ -340,11 +340,16 @@ class PolicyUpdater:
             for mini in split(list(range(n_rows)), rows_per_mini):
                 mini_mask = tensors.loss_mask[mini]
                 # the mini-batch's tokens / rows over every rank; the ranks' gradients are summed
-                # (FSDP averages: x world)
+                # (FSDP averages: x world); and how many ranks' rows have images (the sync runs
+                # the tower on every rank when one did)
                 totals = self.ranks.reduce(
-                    [batch_total(cfg.loss_agg_mode, mini_mask), batch_total("token-mean", mini_mask)]
+                    [
+                        batch_total(cfg.loss_agg_mode, mini_mask),
+                        batch_total("token-mean", mini_mask),
+                        float(self._with_images(tensors, mini)),
+                    ]
                 )
-                mode_total, token_total = totals
+                mode_total, token_total, with_images = totals
                 optimizer.zero_grad(set_to_none=True)
                 with accumulating(model):  # several ranks: whole weights, no collective until the sync
                     micro_metrics: dict[str, float] = defaultdict(float)
@@ -380,7 +385,7 @@ class PolicyUpdater:
                     if opening is not None:
                         opening.backward_from(opened)
                         del opening, opened
-                    sync_gradients(model, self.pad_token_id)
+                    sync_gradients(model, self.pad_token_id, self.vision if with_images else None)
                 if self.ranks.distributed:  # each rank's metrics are its share of the mini-batch's
                     keys = sorted(micro_metrics)
                     micro_metrics = defaultdict(
@@ -405,6 +410,11 @@ class PolicyUpdater:
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
         return Update(out, recorded)
+
+    def _with_images(self, tensors: StepTensors, rows: list[int]) -> bool:
+        """Some of `rows` shows the policy an image (in its prompt or a later turn)."""
+        parts = [p for p in (tensors.prompt_images, tensors.response_images) if p is not None]
+        return self.vision is not None and any(p[r] for p in parts for r in rows)
 
     def _clip(self, params) -> float:
         clip = self.cfg.optim.grad_clip

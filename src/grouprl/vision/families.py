@@ -80,6 +80,11 @@ class Family:
         """Image features [sum of num_tokens, H], images in order."""
         raise NotImplementedError
 
+    def blank(self) -> ImageInput:
+        """The smallest input the tower takes, an even grey (0.5: Idefics3 drops all-zero tiles
+        as padding): what a pass that must only touch every weight of the tower runs."""
+        raise NotImplementedError
+
     def embed(self, model, ids: torch.Tensor, images: list[ImageInput]) -> torch.Tensor:
         """Token embeddings [B, L, H] of `ids` [B, L] with the features of `images` (in the
         row-major order of their tokens) in place of the image tokens."""
@@ -174,6 +179,23 @@ class QwenFamily(Family):
         parts = out.pooler_output if hasattr(out, "pooler_output") else out
         return torch.cat(list(parts)) if isinstance(parts, (list, tuple)) else parts
 
+    def blank(self) -> ImageInput:
+        """One merged patch: a (1, merge, merge) grid, one image token."""
+        vision = self.config.vision_config
+        channels, frames = int(getattr(vision, "in_channels", 3)), int(getattr(vision, "temporal_patch_size", 2))
+        side = self.merge * self.patch
+        return ImageInput(
+            text=self.start_text + self.image_text + self.end_text,
+            num_tokens=1,
+            tensors={
+                "pixel_values": torch.full((self.merge**2, channels * frames * self.patch**2), 0.5),
+                "image_grid_thw": torch.tensor([[1, self.merge, self.merge]]),
+            },
+            shown_size=(side, side),
+            original_size=(side, side),
+            grid=(1, self.merge, self.merge),
+        )
+
     def row_positions(self, ids: list[int], images: list[ImageInput], start: int = 0) -> torch.Tensor:
         """Multimodal rope ids: text advances (t, h, w) together; an image's merged patches take
         (start + t, start + row, start + column), and the text after it continues at
@@ -263,6 +285,22 @@ class IdeficsFamily(Family):
         parts = out.pooler_output if hasattr(out, "pooler_output") else out
         feats = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]) if isinstance(parts, (list, tuple)) else parts
         return feats.reshape(-1, feats.shape[-1])
+
+    def blank(self) -> ImageInput:
+        """One tile (the global view alone, no frame tokens)."""
+        vision = self.config.vision_config
+        side = int(vision.image_size)
+        return ImageInput(
+            text=self.image_text * self.seq_len,
+            num_tokens=self.seq_len,
+            tensors={
+                "pixel_values": torch.full((1, int(getattr(vision, "num_channels", 3)), side, side), 0.5),
+                "pixel_attention_mask": torch.ones((1, side, side), dtype=torch.long),
+            },
+            shown_size=(side, side),
+            original_size=(side, side),
+            extra={"rows": 0, "cols": 0},
+        )
 
 
 FAMILIES: dict[str, type[Family]] = {

@@ -23,12 +23,25 @@ __all__ = [
 
 
 def build_engine(
-    cfg, model, tokenizer, *, model_path: str = "", seed: int = 0, dtype=None, vision=None, report_log_probs=None
+    cfg,
+    model,
+    tokenizer,
+    *,
+    model_path: str = "",
+    seed: int = 0,
+    dtype=None,
+    vision=None,
+    report_log_probs=None,
+    sharded=None,
+    device=None,
 ) -> RolloutEngine:
     """The engine `cfg.engine` names (cfg: the rollout config) over the policy `model`, loaded
     from `model_path`; `dtype` is the generation precision (None: the parameters'); `vision`
     the VLM family of a policy that reads images; `report_log_probs`: the built-in engine records
-    each sampled token's log-prob (None: as cfg.check_log_probs says; vLLM always does)."""
+    each sampled token's log-prob (None: as cfg.check_log_probs says; vLLM always does);
+    `sharded`: the FSDP2 root over `model` on several ranks (vLLM gathers its pushes layer by
+    layer from it; the built-in engine generates inside the trainer's `gathered`); `device`: the
+    trainer's (None: the parameters')."""
     if cfg.engine == "hf":
         from grouprl.rollout.engines.hf import HFEngine
 
@@ -52,5 +65,7 @@ def build_engine(
             dtype=dtype or next(model.parameters()).dtype,
             max_model_len=cfg.max_model_len or None,
             vision=vision,
+            sharded=sharded,
+            device=device,
         )
     raise ValueError(f"unknown rollout engine {cfg.engine!r}")  # config validation names the choices

@@ -45,14 +45,13 @@ class RowStreams:
         self._state = splitmix64(np.uint64(self.seed) ^ splitmix64(keys))  # [K] each row's stream seed
         self._drawn = np.zeros(len(keys), dtype=np.uint64)  # [K] draws so far
         self._rows = np.arange(len(keys))
-        self._calls = np.zeros(1, dtype=np.int64)  # call_seed()s so far
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def select(self, rows: Sequence[int]) -> RowStreams:
         view = object.__new__(RowStreams)
-        view.seed, view._state, view._drawn, view._calls = self.seed, self._state, self._drawn, self._calls
+        view.seed, view._state, view._drawn = self.seed, self._state, self._drawn
         view._rows = self._rows[np.asarray(list(rows), dtype=np.int64)]
         return view
 
@@ -66,12 +65,6 @@ class RowStreams:
         # [0, 1) in the target dtype too: a float32 rounding up to 1.0 would reach past the last token
         below_one = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
         return u.to(dtype=dtype).clamp_(max=float(below_one)).to(device)
-
-    def call_seed(self) -> int:
-        """A 31-bit seed for engines that take one seed per call (vLLM), new at every call."""
-        self._calls[0] += 1
-        return mix_seed(self.seed, int(self._calls[0])) % (2**31 - 1)
-
 
 Randomness = torch.Generator | RowStreams | None
 

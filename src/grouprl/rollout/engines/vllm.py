@@ -23,10 +23,24 @@ host memory, only for the push to overwrite them: vLLM's allocator restores ever
 allocation on wake and cannot drop the host copy, so training, where each rollout is followed by
 an update, is better served by level 2.
 
-Sampling randomness: vLLM draws from the global torch generator when a request has no seed of
-its own (a per-request seed fails on vLLM's CPU backend), so each `generate` reseeds it from the
-trainer's generator inside `torch.random.fork_rng`: the same generator state gives the same
-samples, and the trainer's own global RNG is left as it was.
+Sampling randomness: each request (a prompt's n samples) carries a seed drawn from the stream of
+its first row (`request_seeds`), and vLLM samples a seeded request from a generator of its own:
+a group's samples depend on its rows' keys alone, not on the call's other requests, batching or
+the rank, as on the hf engine. Generation runs inside `torch.random.fork_rng` (vLLM's CPU sampler
+draws from the global generator for the whole batch even so): the trainer's RNG is left as it was.
+
+Several ranks: each rank runs an engine of its own on its own groups (data-parallel engines,
+tensor parallel 1), on the trainer's device. In-process vLLM does not start a world of its own
+where a process group exists: it builds its groups from the default group, the trainer's. Its
+"external_launcher" executor is made for that (torchrun ranks, verl's layout): rank and device
+from RANK and LOCAL_RANK (set here to the trainer's), no process group or port of its own; its
+world group spans the trainer's ranks, used at start-up only (node count, the smallest KV budget),
+and with tensor parallel 1 every model-parallel group is the rank alone, so the engines never
+wait on each other. (The default "uni" executor would build the same groups, but puts the engine
+on cuda:0 on every rank.) Starting is a collective: every rank starts its engine at the same
+point. A push gathers the sharded weights one FSDP module at a time (`sharded_state`), every
+rank the same all-gathers in the same order. vLLM's teardown ends by destroying the default
+group; it runs here without that step (`_leave_groups_to_the_trainer`).
 
 Vision-language policies (`vision=` the family): a prompt or a conversation with images goes to
 vLLM as token ids, each image's expansion collapsed to the placeholder vLLM's processor expands
@@ -50,6 +64,7 @@ imported) for the weight push to reach the model without serialising it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -58,6 +73,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +106,29 @@ def import_vllm():
         raise ModelLoadError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
     _guard_kernel_scan()
     return vllm
+
+
+def request_seeds(generator: Randomness, prompts: int, n: int) -> list[int] | None:
+    """vLLM's seed for each of `prompts` requests of n samples (vLLM seeds a request's sample j
+    with seed + j). From row streams: one draw of each request's first row, so a group's samples
+    depend on its rows' keys alone, not on the call's other requests, its batching or the rank
+    that runs it. From a torch generator: drawn in order. None: vLLM's own randomness."""
+    if isinstance(generator, RowStreams):
+        if len(generator) != prompts * n:
+            raise ValueError(f"{len(generator)} row streams for {prompts} prompts x {n} samples")
+        draws = generator.select([i * n for i in range(prompts)]).uniform(dtype=torch.float64)
+        return [int(u * (2**31 - 1)) for u in draws.tolist()]
+    if generator is not None:
+        return torch.randint(0, 2**31 - 1, (prompts,), generator=generator).tolist()
+    return None
+
+
+def _seeded(sampling, seed: int):
+    """`sampling` for one request seeded with `seed` (a shallow copy, as vLLM's own `clone`
+    makes where it may)."""
+    params = copy.copy(sampling)
+    params.seed = seed
+    return params
 
 
 def _mapping_vars(value) -> Mapping:
@@ -152,17 +191,67 @@ def merged_state(model: torch.nn.Module, dtype: torch.dtype | None = None):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     modules = dict(base.named_modules()) if base is not model else {}
     for name, param in base.named_parameters():
+        if ".lora_" not in name:
+            yield _merged(name, param, modules, dtype)
+
+
+def _merged(name: str, param: torch.Tensor, modules: Mapping, dtype, own: bool = False):
+    """One weight as `merged_state` sends it (its LoRA delta added, cast to `dtype`); `own`: in
+    storage of its own, never the parameter's (which FSDP frees when it reshards)."""
+    tensor = param.detach()
+    made = False
+    if name.endswith(".base_layer.weight"):
+        delta = _lora_delta(modules.get(name.removesuffix(".base_layer.weight")))
+        if delta is not None:
+            tensor, made = tensor + delta.to(tensor.dtype), True
+            del delta  # gone before the tensor leaves: the consumer may hold on to it
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor, made = tensor.to(dtype), True
+    if own and not made:
+        tensor = tensor.clone()
+    return name.replace(".base_layer.", "."), tensor
+
+
+def sharded_state(root: torch.nn.Module, dtype: torch.dtype | None = None):
+    """`merged_state` of the policy an FSDP2 root shards over the ranks (`root.model`, the root's
+    forward running it), gathered one FSDP module at a time: the root's own weights (embeddings,
+    final norm, head: what no layer holds), then each layer in order, each unsharded, streamed
+    and resharded before the next, so one layer's weights are whole at a time (plus what the
+    consumer keeps of them: yielded tensors are copies, since resharding frees the gathered
+    storage). A LoRA layer's adapters sit in the same module as its base weight, so its delta is
+    computed from whole tensors. The gathered weights are FSDP's compute copies (its
+    `param_dtype` under mixed precision), the weights the update's forward and generation on
+    the built-in engine see. Every rank must run this generator to its end, in step: each
+    unshard is an all-gather over the ranks. Inside the trainer's `gathered` (`root.whole`)
+    the weights are whole already and nothing is gathered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = root.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modules = dict(base.named_modules())
+    layers = {name: m for name, m in modules.items() if isinstance(m, FSDPModule) and m is not root}
+    owned: dict[str, list[str]] = {"": []}  # a module's name in `base` ("" the root) -> its weights
+    owned.update((name, []) for name in layers)
+    for name, _ in base.named_parameters():  # tied weights once
         if ".lora_" in name:
             continue
-        tensor = param.detach()
-        if name.endswith(".base_layer.weight"):
-            delta = _lora_delta(modules.get(name.removesuffix(".base_layer.weight")))
-            if delta is not None:
-                tensor = tensor + delta.to(tensor.dtype)
-                del delta  # gone before the tensor leaves: the consumer may hold on to it
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        yield name.replace(".base_layer.", "."), tensor
+        parts = name.split(".")
+        # the innermost FSDP module holding the weight, else the root
+        owner = next((p for k in range(len(parts) - 1, 0, -1) if (p := ".".join(parts[:k])) in layers), "")
+        owned[owner].append(name)
+    whole = getattr(root, "whole", False)
+    for owner, names in owned.items():  # the same order on every rank
+        unit = layers.get(owner, root)
+        if not names:
+            continue
+        if not whole:
+            unit.unshard()
+        try:
+            for name in names:  # looked up now: unsharding swaps the module's parameters
+                yield _merged(name, base.get_parameter(name), modules, dtype, own=True)
+        finally:
+            if not whole:
+                unit.reshard()
 
 
 def _lora_delta(module) -> torch.Tensor | None:
@@ -210,6 +299,62 @@ def _quiet(name: str, level: int = logging.ERROR):
         yield
     finally:
         logger.setLevel(before)
+
+
+def beside_ranks() -> bool:
+    """Whether this process is one rank of several in a process group the trainer joined."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _launcher_env(device: torch.device):
+    """RANK and LOCAL_RANK as vLLM's external launcher reads them while the engine starts: this
+    process's rank, and the index of the trainer's device (cuda:LOCAL_RANK is where the engine
+    lives), whatever the launcher wrote."""
+    import torch.distributed as dist
+
+    local = device.index if device.type == "cuda" and device.index is not None else None
+    if local is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    wanted = {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(local)}
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _leave_groups_to_the_trainer(llm) -> None:
+    """vLLM's teardown (when the engine is collected, or at exit) ends by destroying its groups and
+    then the default one, here the trainer's: mid-run that would end the trainer's group, and at
+    exit, after the trainer left it (which ends every group, vLLM's with it), it fails on groups
+    already gone. Let it run without that last part: the groups are the trainer's to end."""
+    client = getattr(llm.llm_engine, "engine_core", None)  # in-process: the engine core's client
+    core = getattr(client, "engine_core", None)
+    finalizer = getattr(client, "_finalizer", None)
+    core_module = sys.modules.get("vllm.v1.engine.core")
+    cleanup = getattr(core_module, "cleanup_dist_env_and_memory", None)
+    if core is None or not isinstance(finalizer, weakref.finalize) or cleanup is None:
+        return  # another vLLM layout: its own teardown stays
+    teardown = core.shutdown
+
+    def shutdown() -> None:
+        core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+        try:
+            teardown()
+        finally:
+            core_module.cleanup_dist_env_and_memory = cleanup
+
+    core.shutdown = shutdown  # what the client's own shutdown calls
+    if finalizer.detach() is not None:
+        client._finalizer = weakref.finalize(client, shutdown)
 
 
 class ImageMismatch(ModelLoadError):
@@ -384,12 +529,19 @@ class VLLMEngine:
         dtype: torch.dtype = torch.float32,
         max_model_len: int | None = None,
         vision=None,
+        sharded: torch.nn.Module | None = None,
+        device: torch.device | None = None,
     ):
         """`cfg` is the rollout config; `model_path` the folder the policy was loaded from (vLLM
         reads its config, tokenizer and image processor there; its weights are the trainer's,
-        pushed below); `vision` the VLM family of a policy that reads images."""
+        pushed below); `vision` the VLM family of a policy that reads images; `sharded` the FSDP2
+        root over `model` when the policy is sharded over several ranks (each rank then runs an
+        engine of its own, see `_start`, and pushes gather the weights layer by layer:
+        `sharded_state`); `device` the trainer's device (default: the parameters')."""
         vllm = import_vllm()
         self.model, self.tokenizer = model, tokenizer
+        self.sharded = sharded
+        self._device = device or next(model.parameters()).device
         self.vision = vision
         if vision is not None:
             self._placeholder = list(tokenizer(placeholder_text(vision), add_special_tokens=False)["input_ids"])
@@ -399,7 +551,7 @@ class VLLMEngine:
             self._allowed: list[int] | None = None  # the other tokens, where bad_words cannot say it
         self.dtype = dtype
         self.sleep_level = cfg.sleep_level
-        self.on_cuda = next(model.parameters()).device.type == "cuda"
+        self.on_cuda = self._device.type == "cuda"
         self.sleeps = self.sleep_level > 0 and (self.on_cuda or self.emulate_sleep)
         self.logprobs_mode = logprobs_mode(cfg)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -437,31 +589,42 @@ class VLLMEngine:
 
     def _start(self, vllm, model_path, cfg, seed, dtype, max_model_len):
         if cfg.tensor_parallel_size != 1:  # its workers would be other processes, beyond the push
-            raise ConfigError("rollout.engine=vllm runs one in-process worker: rollout.tensor_parallel_size must be 1")
+            raise ConfigError(
+                "rollout.engine=vllm runs one in-process engine per rank, each holding the whole model "
+                "on its rank's device: rollout.tensor_parallel_size must be 1"
+            )
         extra = {}
         if self.vision is not None:
             register_image_only(list(getattr(self.model.config, "architectures", None) or []))
             # normalise on the host, in the image processor, as the trainer's processor does: the
             # pixels vLLM's tower sees are then the trainer's exactly
             extra["mm_device_do_normalize"] = False
-        return vllm.LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=str(dtype).removeprefix("torch."),
-            seed=seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=int(cfg.kv_cache_gb * 2**30) or None,  # an explicit KV budget wins over the share
-            max_model_len=max_model_len,
-            enable_prefix_caching=True,
-            enable_sleep_mode=self.sleeps,
-            enforce_eager=cfg.enforce_eager,
-            logprobs_mode=self.logprobs_mode,
-            **extra,
-        )
+        beside = beside_ranks()
+        if beside:  # vLLM's groups from the trainer's, one engine per rank (module docstring)
+            extra["distributed_executor_backend"] = "external_launcher"
+        with _launcher_env(self._device) if beside else contextlib.nullcontext():
+            llm = vllm.LLM(
+                model=model_path,
+                tokenizer=model_path,
+                dtype=str(dtype).removeprefix("torch."),
+                seed=seed,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                # an explicit KV budget wins over the share
+                kv_cache_memory_bytes=int(cfg.kv_cache_gb * 2**30) or None,
+                max_model_len=max_model_len,
+                enable_prefix_caching=True,
+                enable_sleep_mode=self.sleeps,
+                enforce_eager=cfg.enforce_eager,
+                logprobs_mode=self.logprobs_mode,
+                **extra,
+            )
+        if beside:
+            _leave_groups_to_the_trainer(llm)
+        return llm
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self._device
 
     # ------------------------------------------------------------------ rollouts and sleep
     def begin_rollout(self) -> None:
@@ -509,18 +672,27 @@ class VLLMEngine:
     @torch.no_grad()  # LoRA deltas from trainable adapters: no graph
     def _push(self, model: torch.nn.Module) -> None:
         t0 = time.perf_counter()
+        weights = self._weights(model)
         with _quiet("vllm"):  # a line per push, and one per weightless layer: not the user's business
             # `weights_iterator` / `is_checkpoint_format` came with vLLM 0.16 (0.15 takes no arguments)
             self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={"weights_iterator": merged_state(model, self.dtype), "is_checkpoint_format": True},
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
+            for _ in weights:  # whatever the load left unread: every rank makes every gather
+                pass
             self.llm.collective_rpc(_refresh_tied_head)
             self.llm.reset_prefix_cache()
             if self.vision is not None:  # image features of the old vision tower
                 self.llm.llm_engine.reset_encoder_cache()
         self._pending = None
         self.push_seconds += time.perf_counter() - t0
+
+    def _weights(self, model: torch.nn.Module):
+        """The policy's weights as vLLM loads them: gathered layer by layer where `model` is the
+        sharded policy (or its FSDP root), else as the process holds them."""
+        if self.sharded is not None and model in (self.sharded, getattr(self.sharded, "model", None)):
+            return sharded_state(self.sharded, self.dtype)
+        return merged_state(model, self.dtype)
 
     # ------------------------------------------------------------------ sampling
     def _params(self, n: int, params: SamplingParams):
@@ -707,20 +879,16 @@ class VLLMEngine:
         # greedy samples of one prompt are all alike: vLLM takes n = 1 there, copied n times
         copies = n if params.temperature == 0 else 1
         sampling = self._params(n // copies, params)
-        if isinstance(generator, RowStreams):  # vLLM seeds per call: one seed from the rows' streams
-            seed = generator.call_seed()
-        elif generator is not None:
-            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        else:
-            seed = None
+        seeds = request_seeds(generator, len(prompts), n)
         devices = [torch.cuda.current_device()] if self.on_cuda else []
         done: dict[int, list[Generation]] = {}
         inputs = self._inputs(prompts, images)  # all checked before any is queued
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
+        # seeded requests sample from generators of their own, but vLLM's CPU sampler still draws
+        # from the global one for the whole batch: the trainer's stays as it was
+        with torch.random.fork_rng(devices=devices, enabled=seeds is not None):
             for i, request in enumerate(inputs):
-                engine.add_request(str(i), request, sampling)
+                seeded = sampling if seeds is None else _seeded(sampling, seeds[i])
+                engine.add_request(str(i), request, seeded)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if not out.finished:

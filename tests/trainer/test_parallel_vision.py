@@ -1,0 +1,159 @@
+"""A trainable vision tower on several ranks (torchrun, gloo on CPU, FSDP2): tiny VLMs whose
+tower trains in full or through LoRA give, on 2 ranks, the run of one process: the same
+samples, rewards, losses and gradient norms, the same final weights, the tower's included.
+
+The data mixes prompts with and without an image, read in file order so that the mini-batches
+(one group per rank) cover every case: an image on rank 0 only, on rank 1 only, on both, on
+neither (there the tower gets no gradient on any rank, and is not stepped, as in one process).
+A rank whose rows had no image still makes the tower's reductions: the sync pass runs the tower
+on a blank image, which the test of every trainable weight's zero gradient below covers."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import LOWER_FRACTION
+from vision_task import write_vision_run
+
+from grouprl.config import load_config
+from grouprl.trainer.models import load_causal_lm
+from grouprl.trainer.parallel import Ranks, decoder_layers, sync_pass
+from grouprl.trainer.setup import check_parallel
+from grouprl.vision.families import family_class, is_vision_config
+from vision_helpers import colours, tiny_vlm
+
+WITH_IMAGE = (0, 3, 4, 5)  # rows of the 8 training prompts that keep their image
+SETTINGS = [
+    "data.sampler=sequential",
+    "data.train_batch_size=4",
+    "actor.mini_batch_size=2",
+    "actor.micro_batch_size=3",
+    "actor.dtype=float32",
+    "rollout.dtype=float32",
+    "trainer.total_steps=2",
+    "trainer.save_best=false",
+    "trainer.val_before_train=false",
+    "model.freeze_vision_tower=false",
+    # a key bias's gradient is zero but for rounding (softmax ignores what it adds to a row's
+    # logits), which Adam's default eps would scale up to a whole step, differently on 1 and 2 ranks
+    "actor.optim.eps=1e-6",
+]
+TOWER = ("visual.", "vision_model.", "connector.")  # in the exported names of the tower and connector
+# what FSDP shards one by one: the decoder layers and the tower's
+BLOCKS = {
+    "qwen2_vl": {"Qwen2VLDecoderLayer", "Qwen2VLVisionBlock"},
+    "qwen2_5_vl": {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"},
+    "idefics3": {"LlamaDecoderLayer", "Idefics3EncoderLayer"},
+    "smolvlm": {"LlamaDecoderLayer", "SmolVLMEncoderLayer"},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(config, ranks: int, *overrides):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "grouprl", "train", str(config)]
+    if ranks > 1:
+        command[1:3] = [
+            "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "-m", "grouprl",
+        ]  # fmt: skip
+    command += [*SETTINGS, *overrides]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def mixed_run(root, family):
+    """The colour task of `family` with the images of rows outside WITH_IMAGE taken out, the
+    others blocks of random colours (a solid colour's patches are all alike, so the tower's
+    attention would have gradients of rounding alone, as a key bias has)."""
+    config = write_vision_run(root, family, vision_init_std=0.2, reward=LOWER_FRACTION)
+    data = root / "t.jsonl"
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    for i, (row, image) in enumerate(zip(rows, colours(len(rows)))):
+        if i in WITH_IMAGE:
+            image.save(root / row["images"][0])
+        else:
+            del row["images"]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return config
+
+
+def records(run_dir):
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [
+        (r["step"], r["uid"], r["prompt"], r["sample"], r["response"], r["reward"], round(r["advantage"], 6))
+        for r in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines())
+    ]
+    return {m["step"]: m for m in metrics if "actor/grad_norm" in m}, rollouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("qwen2_vl", ["actor.kl_loss_coef=0.1"]),  # the whole tower trains, beside a sharded KL reference
+        ("idefics3", ["model.lora.rank=3", "model.lora.target_vision=true"]),  # adapters in tower, connector
+    ],
+)
+def test_a_trainable_tower_on_two_ranks_equals_one_process(tmp_path, family, overrides):
+    config = mixed_run(tmp_path, family)
+    for ranks in (1, 2):
+        train(config, ranks, *overrides, f"trainer.experiment_name=ranks-{ranks}")
+    runs = [tmp_path / "runs" / f"ranks-{r}" for r in (1, 2)]
+    (one, one_rollouts), (two, two_rollouts) = map(records, runs)
+    assert two_rollouts == one_rollouts and len(one_rollouts) == 2 * 16
+    shown = {(r[0], r[1]) for r in one_rollouts if r[2].startswith("<image>")}
+    assert shown == {(1, "t0"), (1, "t3"), (2, "t4"), (2, "t5")}  # the cases of the docstring
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in (1, 2):
+        assert two[step]["dist/world_size"] == 2
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/clipfrac"):
+            if key in one[step]:
+                assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
+    w1, w2 = (load_file(str(run / "final" / "model.safetensors")) for run in runs)
+    start = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert w1.keys() == w2.keys() == start.keys()
+    tower = [n for n in w1 if any(part in n for part in TOWER)]
+    assert tower and max(float((w1[n] - start[n]).abs().max()) for n in tower) > 1e-3  # the tower trained
+    for name in w1:
+        # Adam divides by small second moments: float reordering moves a weight by < 1% of a step (lr 1e-2)
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-4, msg=name)
+    # the evaluation (held-out prompts with images, split over the ranks) agrees too
+    lines = [(run / "metrics.jsonl").read_text().splitlines() for run in runs]
+    evals = [[m["val/accuracy"] for m in map(json.loads, run) if "val/accuracy" in m] for run in lines]
+    assert evals[0] and evals[1] == pytest.approx(evals[0])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_sync_pass_gives_every_trainable_weight_a_zero_gradient(tmp_path, family, lora):
+    """What keeps the ranks' reductions alike: after the sync pass every trainable weight, the
+    tower's and connector's included, holds a gradient, all zeros (the update is unchanged);
+    and FSDP shards the tower layer by layer (Idefics3's encoder layers, not only their
+    attention)."""
+    _, _, vision = tiny_vlm(family, tmp_path)
+    settings = [f"model.path={tmp_path}", "model.freeze_vision_tower=false"]
+    if lora:
+        settings += ["model.lora.rank=3", "model.lora.target_vision=true"]
+    cfg = load_config(None, settings)
+    check_parallel(cfg, Ranks(0, 2))  # several ranks take it
+    model = load_causal_lm(cfg.model, str(tmp_path), torch.device("cpu"), torch.float32)
+    assert is_vision_config(model.config)
+    tower = family_class(model.config).tower
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.removeprefix("base_model.model.").startswith(tower) for n in trainable)
+    model.train()
+    sync_pass(model, 0, vision.family).backward()
+    for name, p in trainable.items():
+        assert p.grad is not None and not p.grad.any(), name
+    assert {type(b).__name__ for b in decoder_layers(model)} == BLOCKS[family]
