@@ -405,7 +405,7 @@ class RewardConfig:
     retries included in each call; its calls after that fail at once (0 = never)."""
     max_failed_share: float = 0.5
     """Stop the run (after saving a checkpoint) when a judge fails on more than this share of
-    a step's calls, over every rank (1 = never)."""
+    a step's calls, or of a held-out evaluation's, over every rank (1 = never)."""
 
     def __post_init__(self) -> None:
         """Judge and model names, `judge:` / `model:` references and gates (no cycle) are consistent."""

@@ -81,6 +81,24 @@ def test_a_restarted_run_sweeps_what_killed_writers_left(tmp_path, model_dir, ca
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_the_sweep_comes_before_the_baseline_evaluation(tmp_path, model_dir, monkeypatch):
+    """The baseline evaluation may write best/: the folders a killed run left are gone by then."""
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    stale = tmp_path / "runs" / "run" / ".tmp-best-abcd1234"
+    stale.mkdir(parents=True)
+    seen = []
+    evaluate = Trainer.evaluate
+
+    def watched(self, *args, **kwargs):
+        seen.append(stale.exists())
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", watched)
+    settings = ["trainer.total_steps=1", "trainer.save_final=false", "trainer.val_before_train=true"]
+    Trainer(load_config(config, settings)).fit()
+    assert seen[:1] == [False] and not stale.exists()
+
+
 def small_checkpoints(root, keep_last=2):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -174,6 +192,45 @@ def test_a_judge_that_stops_answering_stops_the_run_saved_and_it_resumes(tmp_pat
     # the step the judge failed in is redone: the run is the one whose judge never failed
     assert rollout_records(run) == rollout_records(tmp_path / "runs" / "whole")
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_judge_down_at_an_evaluation_stops_the_run_saved(tmp_path, model_dir):
+    """Held-out figures from fallback scores are no figures: the limits hold for evaluations too,
+    and the steps trained before it are saved."""
+    down = threading.Event()
+
+    def behaviour(call):
+        return Reply(kind="status", status=503, body="overloaded") if down.is_set() else Reply()
+
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    lower = write_reward(tmp_path / "lower.py", LOWER_FRACTION, "lower")
+    with FakeJudgeServer(behaviour=behaviour).start() as server:
+        settings = [
+            "trainer.total_steps=2",
+            "trainer.test_freq=1",
+            "trainer.val_before_train=false",
+            "trainer.save_final=false",
+            *judge_settings(server),
+            f"reward.components=[{{name: judge, function: 'judge:test'}}, {{name: lower, function: '{lower}'}}]",
+            "reward.val_metric=lower",
+        ]
+        trainer = Trainer(load_config(config, settings))
+        step = trainer.train_step
+
+        def step_then_the_judge_goes_down():
+            out = step()
+            down.set()
+            return out
+
+        trainer.train_step = step_then_the_judge_goes_down
+        with pytest.raises(JudgeUnavailableError) as stopped:
+            trainer.fit()
+    saved = tmp_path / "runs" / "run" / "checkpoints" / "step_1"
+    assert str(stopped.value) == (
+        "held-out evaluation: judge 'test' failed 4 of 4 calls (more than reward.max_failed_share=0.5; "
+        f"last error: HTTP 503: overloaded); saved {saved}: run the same command to resume once the judge answers"
+    )
+    assert problem(saved) is None and json.loads((saved / "trainer.json").read_text())["step"] == 1
 
 
 def test_a_judge_failing_calls_in_a_row_stops_the_run_before_the_first_step(tmp_path, model_dir):

@@ -1,6 +1,7 @@
 import argparse
 import importlib.util
 import json
+import logging
 import random
 
 import pytest
@@ -342,6 +343,26 @@ def test_tiny_model_learns_and_the_saved_folder_reloads(tmp_path):
     assert mean_nll(model, val, tokenizer.pad_token_id, cfg.sft) == pytest.approx(
         summary["eval_loss_after"], rel=1e-6
     )
+
+
+def test_a_rerun_sweeps_a_half_written_export_and_prints_a_line_per_step(tmp_path, capsys, caplog):
+    """A kill during the export leaves `.tmp-model-XXXXXXXX` beside `model/`: the next run in the
+    folder removes it (one line) and leaves other names alone; with output not on a terminal
+    each step is a plain line as it happens."""
+    tiny_model_and_tokenizer(tmp_path / "tiny")
+    stale, other = tmp_path / "run" / ".tmp-model-ab12cd34", tmp_path / "run" / ".tmp-model-mine"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(bytes(2_000_000))
+    other.mkdir()
+    caplog.set_level(logging.INFO)
+    capsys.readouterr()
+    run_sft(sft_config(tmp_path, tmp_path / "tiny", "sft.epochs=1", "sft.loggers=[console]"))
+    assert not stale.exists() and other.is_dir()
+    assert [r.getMessage() for r in caplog.records if "temp folder" in r.getMessage()] == [
+        "removed 1 temp folder of writes a stopped run left unfinished (2.0 MB): .tmp-model-ab12cd34"
+    ]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step ") and " loss " in line] == ["1/3", "2/3", "3/3"]
 
 
 def test_lora_run_through_the_command_saves_a_merged_model(tmp_path, capsys):

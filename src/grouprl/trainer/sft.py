@@ -34,6 +34,7 @@ from grouprl.data.prompts import with_system_prompt
 from grouprl.errors import ConfigError, DataError
 from grouprl.rewards import CompositeReward
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.checkpoint import CheckpointManager
 from grouprl.trainer.evaluation import (
     answer_held_out,
     answer_record,
@@ -406,6 +407,7 @@ def run_sft(cfg: Config) -> dict:
     scheduler = build_scheduler(optimizer, s.optim, total_steps)
 
     out.mkdir(parents=True, exist_ok=True)
+    CheckpointManager(out, keep_last=0).sweep((out / "model",))  # an export a killed run left half-written
     for stale in ("metrics.jsonl", "samples.jsonl", "answers.jsonl"):  # a rerun in the same folder starts them afresh
         (out / stale).unlink(missing_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -132,11 +132,7 @@ class Trainer:
     def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
         """collect, then learn; the step's metrics (one value each over the ranks) and this rank's
         trajectories."""
-        if not self.checkpoints.swept:
-            # this process's first step: the temp folders of writes a killed run left unfinished go,
-            # removed by the first rank before any rank writes (the step's collectives follow)
-            self.checkpoints.sweep((self.run_dir / "final", self.run_dir / "best"), remove=self.ranks.main)
-            self.ranks.barrier()
+        self._sweep_once()
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state = self._trainer_state()
         batch = self._collect()
@@ -158,6 +154,14 @@ class Trainer:
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
         return metrics, batch.real
+
+    def _sweep_once(self) -> None:
+        """Before this process writes anything (fit's start, or a first step run on its own): the
+        temp folders of writes a killed run left unfinished go, removed by the first rank while
+        the others wait (no rank writes before the sweep is done)."""
+        if not self.checkpoints.swept:
+            self.checkpoints.sweep((self.run_dir / "final", self.run_dir / "best"), remove=self.ranks.main)
+            self.ranks.barrier()
 
     def _collect(self) -> StepBatch:
         """This step's batch; a judge that stopped answering stops the run after saving the last
@@ -207,6 +211,7 @@ class Trainer:
         c = self.cfg.trainer
         logs = self._open_logs()
         try:
+            self._sweep_once()  # before the baseline evaluation, which may write best/
             if c.val_before_train and self.step == 0 and self.val_samples:
                 val = self._evaluate_and_keep_best(logs)
                 logs.say(f"baseline eval: {_fmt(val)}")
@@ -244,7 +249,13 @@ class Trainer:
         return self._finish(logs.say)
 
     def _evaluate_and_keep_best(self, logs: _Logs) -> dict[str, float]:
-        val = self.evaluate(progress=logs.progress)
+        try:
+            val = self.evaluate(progress=logs.progress)
+        except JudgeUnavailableError as e:  # the steps trained so far are kept
+            if self.step == 0:
+                raise JudgeUnavailableError(f"{e}; nothing trained yet to save") from None
+            path = self.save_checkpoint()
+            raise JudgeUnavailableError(f"{e}; saved {path}: run the same command to resume once the judge answers") from None
         self._maybe_save_best(val)
         return val
 
