@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from grouprl.algorithms import (
+    TURN_SUMS,
     aggregate_loss,
     logprob_mismatch,
     policy_loss,
     rollout_correction,
     rollout_is_weights,
     turn_index,
+    turn_mismatch_sums,
 )
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.1, -4.0]], dtype=torch.float64)
@@ -80,6 +82,21 @@ def test_kl_and_chi_square_of_the_two_distributions_on_the_sampled_tokens():
     exact = logprob_mismatch(OLD, OLD, MASK, threshold=0.25)  # the same numbers: no gap at all
     for name in ("mean", "max", "kl_k1", "kl_k3", "chi2_token", "chi2_seq"):
         assert float(exact[name]) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_per_turn_sums_split_the_tokens_by_policy_turn():
+    sampled = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)  # row 0: turns 1, -, 2
+    kept = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)  # what masking left
+    sums = turn_mismatch_sums(OLD, ROLLOUT, sampled, kept, max_turns=3)
+    assert TURN_SUMS == ("gap", "kl_k1", "kl_k3", "masked", "tokens")
+    # old - rollout: row 0 [0.2, -0.5, 0.0], row 1 [0.0, 0.3, -3.0]; turn 1 = 0.2 | 0.0, 0.3; turn 2 = 0.0
+    k3 = lambda x: math.exp(x) - 1 - x  # noqa: E731
+    want = [
+        [0.5, -0.5, k3(0.2) + k3(0.0) + k3(0.3), 1.0, 3.0],  # row 1's second token masked
+        [0.0, 0.0, 0.0, 1.0, 1.0],  # row 0's last token masked
+        [0.0] * 5,  # no third turn
+    ]
+    torch.testing.assert_close(sums, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_geometric_weights_are_the_capped_mean_log_ratio_per_sequence():

@@ -304,7 +304,20 @@ def test_steps_and_chunked_evaluation_sleep_between_rollouts_only(
     assert all(r["perf/engine_freed_gb"] == 0 for r in records if "perf/engine_freed_gb" in r)
 
 
-@pytest.mark.parametrize("level", [1, 2])
+def two_steps(level: int, steps: list[list[tuple]]) -> list[tuple]:
+    """fit's calls between rollouts over two steps without evaluations (`steps`: each step's
+    rollout, as `phases` gives them): asleep, each step wakes with a push and sleeps before its
+    update; awake (level 0), the first push at start and one after every update."""
+    if level == 0:
+        return [*PUSH, ("phase", len(steps[0])), ("update",), *PUSH, ("phase", len(steps[1])), ("update",), *PUSH]
+    return [
+        ("sleep", level),
+        *wake(level, push=True), ("phase", len(steps[0])), ("sleep", level), ("update",),
+        *wake(level, push=True), ("phase", len(steps[1])), ("sleep", level), ("update",),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
 def test_agent_turns_and_the_policys_answers_run_in_one_wake(
     tmp_path, model_dir, monkeypatch, fake_vllm, level
 ):
@@ -336,14 +349,10 @@ def test_agent_turns_and_the_policys_answers_run_in_one_wake(
         assert len(turns) == 3 and answers, step  # no action ever: every turn is corrected
     first = llm.hits[: len(steps[0])]
     assert first[0] == 0 and all(h > 0 for h in first[1:3])  # turns 2 and 3 reuse the cache
-    assert outside(llm.events) == [
-        ("sleep", level),
-        *wake(level, push=True), ("phase", len(steps[0])), ("sleep", level), ("update",),
-        *wake(level, push=True), ("phase", len(steps[1])), ("sleep", level), ("update",),
-    ]
+    assert outside(llm.events) == two_steps(level, steps)
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2])
 def test_dynamic_filter_refills_generate_within_the_steps_rollout(
     tmp_path, model_dir, monkeypatch, fake_vllm, level
 ):
@@ -366,11 +375,7 @@ def test_dynamic_filter_refills_generate_within_the_steps_rollout(
     only_generate_inside(llm)
     steps = phases(llm.events)
     assert len(steps) == 2 and all(len(step) >= 2 for step in steps)  # the first draw and a refill
-    assert outside(llm.events) == [
-        ("sleep", level),
-        *wake(level, push=True), ("phase", len(steps[0])), ("sleep", level), ("update",),
-        *wake(level, push=True), ("phase", len(steps[1])), ("sleep", level), ("update",),
-    ]
+    assert outside(llm.events) == two_steps(level, steps)
 
 
 # ------------------------------------------------------------------ the engine used directly

@@ -2,7 +2,11 @@
 the built-in engine samples from the trainer's own distribution, and a sample's tokens do not
 depend on how the batch is cut (generation chunks, or the blocks of groups that ranks hold);
 in bf16 the two really disagree, which is why the engine then records its log-probs and the
-importance correction is on by default."""
+importance correction is on by default.
+
+The ranks' blocks of groups are generated apart in this one process (what each rank would
+generate); real torchrun ranks against one process are tested on tiny models
+(test_parallel.py), and on SmolLM2 by the GPU check's `ranks` row on a machine with 2+ GPUs."""
 
 import importlib.util
 

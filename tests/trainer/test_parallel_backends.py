@@ -176,6 +176,41 @@ def test_an_update_on_two_ranks_of_the_emulated_group_equals_one_process():
     on_two_ranks(_update)
 
 
+def _sharded_save(rank: int, root: str) -> None:
+    """The checkpoint's own steps of a sharded save (its folder made by one rank, a barrier, every
+    rank's shards, then the one writer's files) on the NCCL-only group: the barrier is `Ranks'`.
+    The shards themselves are DCP's (device tensors on a GPU), stood in for here."""
+    from pathlib import Path
+
+    from grouprl.trainer import checkpoint
+
+    emulated_nccl_only()
+    ranks = Ranks.from_env("cuda")
+    checkpoint.is_sharded = lambda model: True
+
+    def shards(folder, model, ref_model, optimizer):
+        assert folder.parent.is_dir()  # made by the writing rank before the barrier let this one on
+        folder.mkdir(exist_ok=True)
+        (folder / f"rank{rank}.safetensors").write_bytes(b"x")
+
+    checkpoint._save_shards = shards
+    checkpoint.optimizer_state = lambda model, optimizer, whole: {}
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    manager = checkpoint.CheckpointManager(Path(root), 2, barrier=ranks.barrier)
+    path = manager.save(3, model, optimizer, scheduler, {"step": 3}, write=ranks.main)
+    ranks.barrier()
+    assert path.name == "step_3" and checkpoint.problem(path) is None
+    assert sorted(f.name for f in (path / checkpoint.SHARDED).iterdir()) == ["rank0.safetensors", "rank1.safetensors"]
+    ranks.close()
+    dist.destroy_process_group()
+
+
+def test_a_sharded_checkpoint_waits_on_the_ranks_own_group(tmp_path):
+    on_two_ranks(_sharded_save, str(tmp_path))
+
+
 def test_ray_train_joins_the_workers_with_the_same_backend(monkeypatch):
     train_torch = pytest.importorskip("ray.train.torch")
     import ray

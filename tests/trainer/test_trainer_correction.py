@@ -95,18 +95,26 @@ def test_agents_log_the_gap_per_turn(tmp_path, model_dir, index_dir):
         "data.max_prompt_length=2048",
     )
     metrics, trajectories = trainer.train_step()
-    assert "rollout/mismatch_mean/turn_1" in metrics and "rollout/kl_k3/turn_1" in metrics
+    assert all(f"rollout/{k}/turn_1" in metrics for k in ("mismatch_mean", "kl_k1", "kl_k3"))
+    assert not any("is_masked_frac/turn" in k for k in metrics)  # truncation masks nothing
     second = any(t.loss_mask.count(1) < len(t.loss_mask) and len(t.turns) > 1 for t in trajectories)
     assert ("rollout/mismatch_mean/turn_2" in metrics) == second
     assert "rollout/mismatch_mean/turn_3" not in metrics
+    masking = make_trainer(
+        tmp_path / "mask", model_dir, "actor.dtype=bfloat16", "agent.enabled=true", f"agent.retriever.index={index_dir}",
+        "agent.max_turns=2", "agent.answer_generator=none", "rollout.max_response_length=8",
+        "data.max_prompt_length=2048", "algorithm.rollout_is_mode=mask",
+    )  # fmt: skip
+    metrics, _ = masking.train_step()
+    assert 0 <= metrics["rollout/is_masked_frac/turn_1"] <= 1
 
 
 def test_gspo_with_token_mean_warns_at_start(tmp_path, model_dir, caplog):
-    with caplog.at_level("WARNING", logger="grouprl.trainer.trainer"):
+    with caplog.at_level("WARNING", logger="grouprl.trainer.setup"):
         make_trainer(tmp_path / "a", model_dir, "actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean")
     assert "weighs a sequence by its length" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="grouprl.trainer.trainer"):
+    with caplog.at_level("WARNING", logger="grouprl.trainer.setup"):
         make_trainer(tmp_path / "b", model_dir, "actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean")
     assert "weighs a sequence by its length" not in caplog.text
 

@@ -25,7 +25,7 @@ from .registry import (
     available,
 )
 from .returns import discounted_returns
-from .rollout_correction import logprob_mismatch, turn_index
+from .rollout_correction import TURN_SUMS, logprob_mismatch, turn_index, turn_mismatch_sums
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -45,4 +45,6 @@ __all__ = [
     "rollout_correction",
     "rollout_is_weights",
     "turn_index",
+    "turn_mismatch_sums",
+    "TURN_SUMS",
 ]

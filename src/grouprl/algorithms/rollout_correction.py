@@ -103,7 +103,9 @@ def logprob_mismatch(
       mean, max, above_threshold   |old - rollout|: mean, largest, share of tokens above `threshold`
       kl_k1                        KL(pi_rollout || pi_old) ~ mean(rollout - old) (can be < 0)
       kl_k3                        the same, k3 estimator: mean(w - 1 - log w), w = pi_old / pi_rollout (>= 0)
-      chi2_token                   mean(w^2) - 1 over the tokens: the variance of token weights
+      chi2_token                   mean(w^2) - 1 over the tokens: the chi-square divergence, i.e. the
+                                   variance of token weights, estimated from the samples (a little
+                                   below 0 where the weights are all close to 1)
       chi2_seq                     mean over sequences of (prod_t w_t)^2 - 1: the same for sequence weights
     """
     diff = (log_probs - rollout_log_probs).detach()  # [N, T] = log w
@@ -131,3 +133,29 @@ def turn_index(loss_mask: torch.Tensor) -> torch.Tensor:
     starts = on.clone()
     starts[:, 1:] &= ~on[:, :-1]  # a run starts where the previous token is not a loss token
     return torch.where(on, starts.long().cumsum(-1), torch.zeros_like(on, dtype=torch.long))
+
+
+TURN_SUMS = ("gap", "kl_k1", "kl_k3", "masked", "tokens")
+
+
+def turn_mismatch_sums(
+    log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    sampled_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    max_turns: int,
+) -> torch.Tensor:
+    """Per policy turn (`turn_index` of `sampled_mask`, the policy's tokens as sampled), the sums
+    that make `logprob_mismatch`'s figures per turn: [max_turns, 5] with columns TURN_SUMS =
+    |old - rollout|, rollout - old (k1), k3, tokens the correction masked (in `sampled_mask`, out
+    of `loss_mask`), tokens. Sums, not means, so that ranks add them up before dividing."""
+    diff = (log_probs - rollout_log_probs).detach().double()
+    log_w = diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    turns = turn_index(sampled_mask)
+    masked = ((sampled_mask != 0) & (loss_mask == 0)).double()
+    columns = [diff.abs(), -diff, torch.exp(log_w) - 1 - log_w, masked, torch.ones_like(diff)]
+    out = diff.new_zeros((max_turns, len(columns)))
+    for k in range(1, max_turns + 1):
+        here = turns == k
+        out[k - 1] = torch.stack([c[here].sum() for c in columns])
+    return out

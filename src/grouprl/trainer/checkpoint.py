@@ -39,6 +39,7 @@ import secrets
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,6 @@ def _size(n: int) -> str:
 def is_sharded(model) -> bool:
     """Whether the model's parameters are DTensor shards (FSDP2 over several ranks)."""
     return any(hasattr(p, "device_mesh") for p in inner(model).parameters())
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -270,9 +264,12 @@ def _step_of(path: Path) -> int:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: Path, keep_last: int):
+    def __init__(self, run_dir: Path, keep_last: int, barrier: Callable[[], None] | None = None):
+        """`barrier`: waits for every rank (the trainer's `Ranks.barrier`, which runs on a group
+        that serves CPU work beside an accelerator-only default group); None in one process."""
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.barrier = barrier or (lambda: None)
         self.swept = False  # sweep() ran
 
     def sweep(self, exports: tuple[Path, ...] = (), *, remove: bool = True) -> list[Path]:
@@ -329,7 +326,7 @@ class CheckpointManager:
             if write:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-            _barrier()
+            self.barrier()  # the folder exists before any rank writes into it
             try:
                 _save_shards(tmp / SHARDED, model, ref_model, optim["optimizer"])
                 optim["reference"] = ref_model is not None

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from grouprl.algorithms import compute_advantages, kl_estimate, logprob_mismatch, turn_index
+from grouprl.algorithms import (
+    TURN_SUMS,
+    compute_advantages,
+    kl_estimate,
+    logprob_mismatch,
+    turn_mismatch_sums,
+)
 from grouprl.config import Config
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
 from grouprl.curriculum.online import OnlineCurriculum
@@ -466,17 +472,16 @@ class Learner:
             _, _, is_metrics = p.updater.correction(tensors, mask)
             metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
         if p.agent is not None:  # per policy turn, over every rank's tokens
-            turns = turn_index(mask)  # [N, R]
-            log_w = (old - rollout).clamp(-20, 20)
-            gap, k3 = log_w.abs(), torch.exp(log_w) - 1 - log_w
-            sums = []
-            for k in range(1, self.cfg.agent.max_turns + 1):
-                here = turns == k
-                sums += [float(gap[here].sum()), float(k3[here].sum()), float(here.sum())]
-            sums = self.ranks.reduce(sums)
-            for k in range(1, self.cfg.agent.max_turns + 1):
-                gap_sum, k3_sum, count = sums[3 * (k - 1) : 3 * k]
-                if count:
-                    metrics[f"rollout/mismatch_mean/turn_{k}"] = gap_sum / count
-                    metrics[f"rollout/kl_k3/turn_{k}"] = k3_sum / count
+            turns = self.cfg.agent.max_turns
+            sums = turn_mismatch_sums(old, rollout, mask, tensors.loss_mask, turns)
+            sums = torch.tensor(self.ranks.reduce(sums.flatten().tolist())).view(turns, len(TURN_SUMS))
+            for k, row in enumerate(sums.tolist(), start=1):
+                found = dict(zip(TURN_SUMS, row))
+                if found["tokens"]:
+                    n = found["tokens"]
+                    metrics[f"rollout/mismatch_mean/turn_{k}"] = found["gap"] / n
+                    metrics[f"rollout/kl_k1/turn_{k}"] = found["kl_k1"] / n
+                    metrics[f"rollout/kl_k3/turn_{k}"] = found["kl_k3"] / n
+                    if tensors.policy_mask is not None:  # mask mode: what the correction took out
+                        metrics[f"rollout/is_masked_frac/turn_{k}"] = found["masked"] / n
         return metrics

@@ -68,7 +68,7 @@ class Trainer:
         self.collector = Collector(cfg, parts)  # a step's first half: its batch
         self.learner = Learner(cfg, parts)  # its second half: the update
         self.evaluator = Evaluator(cfg, parts, self.collector)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last)
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last, barrier=self.ranks.barrier)
         self.step = 0
         self._groups: list[int] = []  # this rank's groups of the last step (their places in the batch)
         self.history: list[dict] = []  # evaluation results by step
