@@ -38,6 +38,8 @@ def test_public_api_is_exactly_the_documented_names():
             "rollout_is_weights",
             "logprob_mismatch",
             "turn_index",
+            "turn_mismatch_sums",
+            "TURN_SUMS",
         ]
     )
     for name in algorithms.__all__:

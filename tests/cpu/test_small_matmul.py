@@ -1,5 +1,7 @@
-"""The decode-time linear layers: both product forms give F.linear's numbers, the measured choice
-is fixed after its trials, and nothing outside the `with` block (or with gradients on) changes."""
+"""The decode-time linear layers: every call gives F.linear's numbers bitwise (trials return the
+usual form's result, and the other form is kept only where it matched it bitwise), the measured
+choice is fixed after its trials, and nothing outside the `with` block (or with gradients on)
+changes."""
 
 import pytest
 import torch
@@ -45,19 +47,19 @@ def test_every_call_equals_f_linear(rows, bias):
             got = layer(x)
             assert got.shape == (rows, 1, 40)
             assert got.is_contiguous()
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+            assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("usual_cost, transposed_cost, transposed_wins", [(5, 1, True), (1, 5, False), (2, 2, False)])
-def test_trials_alternate_then_the_faster_form_is_fixed(monkeypatch, usual_cost, transposed_cost, transposed_wins):
-    """A fake clock that each form advances by its cost: the strictly faster form is kept."""
+def fake_forms(monkeypatch, usual_cost, transposed_cost, off_by_an_ulp=False):
+    """A fake clock each form advances by its cost, and the calls in order; the transposed form
+    returns the usual form's numbers, or those moved by one ulp."""
     clock, calls = [0.0], []
-    original = small_matmul._transposed_product
 
-    def transposed(*args):
+    def transposed(x2, weight, bias):
         clock[0] += transposed_cost
         calls.append("transposed")
-        return original(*args)
+        out = F.linear(x2, weight, bias)
+        return torch.nextafter(out, torch.full_like(out, float("inf"))) if off_by_an_ulp else out
 
     def usual(*args):
         clock[0] += usual_cost
@@ -67,16 +69,33 @@ def test_trials_alternate_then_the_faster_form_is_fixed(monkeypatch, usual_cost,
     monkeypatch.setattr(small_matmul.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(small_matmul, "_transposed_product", transposed)
     monkeypatch.setattr(small_matmul, "F", type("F", (), {"linear": staticmethod(usual)}))
+    return calls
+
+
+@pytest.mark.parametrize("usual_cost, transposed_cost, transposed_wins", [(5, 1, True), (1, 5, False), (2, 2, False)])
+def test_trials_take_both_forms_then_the_faster_is_fixed(monkeypatch, usual_cost, transposed_cost, transposed_wins):
+    calls = fake_forms(monkeypatch, usual_cost, transposed_cost)
     layer, x = linear(), torch.randn(8, 24, dtype=torch.float64)
     with torch.no_grad(), small_batch_linear(layer):
-        for _ in range(2 * TRIALS):
+        for _ in range(TRIALS):
             layer(x)
-        assert calls == ["usual", "transposed"] * TRIALS
+        assert calls == ["usual", "transposed", "transposed", "usual"] * (TRIALS // 2)
         key = ((40, 24), 8, torch.float64, None)
         assert small_matmul._CHOICE == {key: transposed_wins} and small_matmul._TRIALS == {}
         for _ in range(3):
             layer(x)
     assert calls[2 * TRIALS :] == ["transposed" if transposed_wins else "usual"] * 3
+
+
+def test_a_faster_form_that_moves_a_number_by_one_ulp_is_never_kept(monkeypatch):
+    calls = fake_forms(monkeypatch, usual_cost=5, transposed_cost=1, off_by_an_ulp=True)
+    layer, x = linear(), torch.randn(8, 24, dtype=torch.float64)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.no_grad(), small_batch_linear(layer):
+        outs = [layer(x) for _ in range(TRIALS + 3)]
+    assert small_matmul._CHOICE == {((40, 24), 8, torch.float64, None): False}
+    assert calls[2 * TRIALS :] == ["usual"] * 3
+    assert all(torch.equal(out, want) for out in outs)  # the trials returned the usual form's numbers
 
 
 @pytest.mark.parametrize("transposed_wins", [True, False])

@@ -31,6 +31,10 @@ SETTINGS = [
     "trainer.total_steps=3",
     "trainer.save_best=false",
 ]
+# Adam divides by the root of small second moments, so float reordering between layouts (sums
+# over ranks, sharded vs whole) moves a weight with a tiny gradient by a few percent of one step
+# (lr 1e-2): seen up to 1.04e-4 on an Intel Xeon, below 1e-4 on an AMD EPYC; the steps are 1e-2
+ADAM_NOISE = 3e-4
 
 
 def free_port() -> int:
@@ -151,8 +155,7 @@ def assert_same_run(one_dir, two_dir, model_dir):
     moved = max(float((w1[n] - start[n]).abs().max()) for n in w1 if n in start)
     assert moved > 1e-3  # training changed the weights, so the comparison below means something
     for name in w1:
-        # Adam divides by small second moments: float reordering moves a weight by < 1% of a step (lr 1e-2)
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-4)
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=ADAM_NOISE)
     # the evaluation (held-out prompts split over the ranks) agrees too
     evals = [
         [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val/accuracy" in line]
@@ -185,4 +188,4 @@ def test_saved_on_two_ranks_resumes_on_one_or_two(setup, resume_ranks):
     assert got == want
     w_ref, w_got = final_weights(reference), final_weights(root / "runs" / name)
     for n in w_ref:
-        torch.testing.assert_close(w_got[n], w_ref[n], rtol=0, atol=1e-4)
+        torch.testing.assert_close(w_got[n], w_ref[n], rtol=0, atol=ADAM_NOISE)
