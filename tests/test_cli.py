@@ -68,6 +68,21 @@ def test_dry_run_prints_the_plan_of_the_default_recipe(capsys, no_model_load):
     assert not any("WARNING" in line for line in lines)
     assert "  reward: 1 x correctness + 0.1 x soft_format (streamed per group)" in lines
     assert any(line.startswith("  run: 20 steps, save every 10") for line in lines)
+    assert "  rollout: built-in engine over the trainer's own weights, on every rank (one here; torchrun/Ray: one per rank)" in lines
+
+
+def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_load, monkeypatch):
+    """configs/source_phase2.yaml as torchrun starts it on 8 GPUs (WORLD_SIZE), its paths absent here."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    config = Path(__file__).resolve().parents[1] / "configs" / "source_phase2.yaml"
+    code, out, err = run(capsys, "train", str(config), "--dry-run")
+    assert code == 0 and err == ""
+    assert (
+        "  rollout: vLLM in-process, one engine on each of the 8 ranks, on that rank's GPU with the whole model "
+        "(tensor parallel 1), 50% of the GPU; between rollouts (CUDA) sleep level 2: weights and KV cache freed; "
+        "CUDA graphs"
+    ) in out.splitlines()
+    assert "reward: 0.8 x judge + 0.2 x ndcg; judges: gemini (openai gemini-2.5-flash) (streamed per group)" in out
 
 
 def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path, no_model_load):

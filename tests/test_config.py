@@ -250,7 +250,7 @@ def test_missing_config_file(tmp_path):
         (["actor.loss_scale_factor=-1"], "'actor.loss_scale_factor' must be >= 0"),
         (
             ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
-            "'rollout.tensor_parallel_size' must be 1: the vllm engine runs in the trainer's process",
+            "'rollout.tensor_parallel_size' must be 1: every rank runs its own vllm engine in its process, holding the whole model on its GPU",
         ),
         (["rollout.engine=vllm", "rollout.sleep_level=3"], "'rollout.sleep_level' must be 0, 1 or 2"),
         (["rollout.gpu_memory_utilization=1.5"], "'rollout.gpu_memory_utilization' must be in (0, 1]"),

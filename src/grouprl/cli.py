@@ -163,6 +163,23 @@ def describe_correction(cfg) -> str:
     return how + " wherever the engine's numbers can differ from the update's (bf16, vLLM); off in float32 on the built-in engine"
 
 
+def describe_rollout(cfg) -> str:
+    """Where generation runs: the engine, and with vLLM one engine per rank (WORLD_SIZE: the
+    launcher's, e.g. a dry run under torchrun), its memory share and sleep between rollouts."""
+    r = cfg.rollout
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    ranks = f"on each of the {world} ranks" if world > 1 else "on every rank (one here; torchrun/Ray: one per rank)"
+    if r.engine == "hf":
+        return f"rollout: built-in engine over the trainer's own weights, {ranks}"
+    memory = f"KV cache {r.kv_cache_gb:g} GiB" if r.kv_cache_gb else f"{r.gpu_memory_utilization:.0%} of the GPU"
+    sleep = {0: "awake throughout", 1: "weights to host memory", 2: "weights and KV cache freed"}[r.sleep_level]
+    return (
+        f"rollout: vLLM in-process, one engine {ranks}, on that rank's GPU with the whole model (tensor parallel "
+        f"{r.tensor_parallel_size}), {memory}; between rollouts (CUDA) sleep level {r.sleep_level}: {sleep}; "
+        f"{'eager' if r.enforce_eager else 'CUDA graphs'}"
+    )
+
+
 def describe_plan(cfg) -> list[str]:
     """What a run would do, without loading a model."""
     from grouprl.errors import missing_local_path
@@ -190,6 +207,7 @@ def describe_plan(cfg) -> list[str]:
         f"lengths: prompt <= {cfg.data.max_prompt_length} ({cfg.data.prompt_overflow}), response <= "
         f"{cfg.rollout.max_response_length} tokens",
     ]
+    lines.append(describe_rollout(cfg))
     lines.append(f"engine-trainer correction: {describe_correction(cfg)}")
     if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
         lines.append("WARNING: gspo with token-mean weighs a sequence by its length (GSPO's own is seq-mean-token-mean)")

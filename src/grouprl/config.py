@@ -1268,8 +1268,10 @@ def validate(cfg: Config) -> Config:
     need(cfg.rollout.tensor_parallel_size >= 1, "config key 'rollout.tensor_parallel_size' must be >= 1")
     need(
         cfg.rollout.tensor_parallel_size == 1 or cfg.rollout.engine != "vllm",
-        "config key 'rollout.tensor_parallel_size' must be 1: the vllm engine runs in the trainer's process, "
-        "and tensor-parallel workers would be other processes, out of reach of the in-place weight push",
+        "config key 'rollout.tensor_parallel_size' must be 1: every rank runs its own vllm engine in its "
+        "process, holding the whole model on its GPU, so the model's bf16 weights, its KV cache and the rank's "
+        "shards must fit one GPU (the weights take about 2 bytes a parameter, 15 GB for a 7B model; README's "
+        "memory plan); an engine sharded over several GPUs is not supported",
     )
     need(cfg.rollout.max_model_len >= 0, "config key 'rollout.max_model_len' must be >= 0 (0 = the model's)")
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")

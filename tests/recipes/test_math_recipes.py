@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "data.train_batch_size=2",
     "data.task_train_size=64",
-    "data.task_val_size=4",
+    "data.task_val_size=2",
     "rollout.n_agent=4",
     "rollout.max_response_length=12",
     "trainer.total_steps=2",
@@ -53,9 +53,9 @@ def test_rule_rewards_recipe(tmp_path):
 def test_api_judge_recipe_sends_formatted_answers_to_the_judge(tmp_path, monkeypatch):
     from rewards.judges.fake_gemini import FakeGeminiServer, Reply
 
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the judge cache lives under ~/.cache
     monkeypatch.setenv("GEMINI_API_KEY", "test-key-42")
     tree = yaml.safe_load((ROOT / "configs" / "math_api_judge.yaml").read_text())
+    tree["reward"]["judges"][0]["cache_path"] = str(tmp_path / "judge_cache.sqlite")  # not ~/.cache's
     server = FakeGeminiServer(behaviour=lambda call: Reply(text='{"reasoning": 4}')).start()
     try:
         tree["reward"]["judges"][0]["base_url"] = server.base_url
@@ -75,13 +75,13 @@ def test_api_judge_recipe_sends_formatted_answers_to_the_judge(tmp_path, monkeyp
 
 
 def test_on_premise_judge_recipe_logs_every_grade_and_keeps_the_best(tmp_path, monkeypatch):
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the judge cache lives under ~/.cache
     tree = yaml.safe_load((ROOT / "configs" / "math_local_judge.yaml").read_text())
+    tree["reward"]["judges"][0]["cache_path"] = str(tmp_path / "judge_cache.sqlite")  # not ~/.cache's
     tree["reward"]["judges"][0]["max_tokens"] = 8  # a grade is a few tokens
     tree["reward"]["judges"][0]["max_retries"] = 0  # the stand-in's grades seldom parse: no second tries
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tree))
-    run_dir, steps = run(recipe, tmp_path, "rollout.max_response_length=40", "trainer.test_freq=1")
+    run_dir, steps = run(recipe, tmp_path, "rollout.max_response_length=40")  # best/ from the final evaluation
     assert len(steps) == 2 and "reward/reasoning" in steps[-1]
     log = [json.loads(line) for line in (run_dir / "judge.jsonl").read_text().splitlines()]
     assert log and all("raw" in e and e["prompt"]["user"] for e in log)  # what it was asked, what it said

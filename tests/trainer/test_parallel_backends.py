@@ -192,6 +192,7 @@ def _sharded_save(rank: int, root: str) -> None:
         assert folder.parent.is_dir()  # made by the writing rank before the barrier let this one on
         folder.mkdir(exist_ok=True)
         (folder / f"rank{rank}.safetensors").write_bytes(b"x")
+        ranks.barrier()  # DCP's save ends in a collective: no rank moves on before every shard is written
 
     checkpoint._save_shards = shards
     checkpoint.optimizer_state = lambda model, optimizer, whole: {}

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -382,7 +383,17 @@ def _turn_record(turn: int, g: Generation, action: Action, obs: Observation | No
         "masked_tokens": 0,  # tokens appended after them with loss mask 0 (the observation)
         "finish_reason": g.finish_reason,
         "images": len(obs.images) if obs else 0,
+        "image_files": [_image_name(i) for i in obs.images] if obs else [],
     }
+
+
+def _image_name(image: Any) -> str:
+    """What a log line says of an image shown to the policy: its file, or (made in memory, e.g.
+    a crop or a resized page) its size."""
+    if isinstance(image, (str, os.PathLike)):
+        return str(image)
+    size = getattr(image, "size", None)
+    return f"<{size[0]}x{size[1]} image in memory>" if size else "<image in memory>"
 
 
 def _question(sample: Sample) -> str:
