@@ -2,6 +2,7 @@
 and the one-line errors a user sees when a model cannot be loaded."""
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -261,6 +262,12 @@ def test_the_embedded_vlm_is_smollm2_with_eyes(tmp_path):
     samples = make_shapes(2, 0, "val")
     encoded = [vision.encode(s.messages, s.images) for s in samples]
     assert all(images[0].num_tokens == 16 for _, images in encoded)
+    # the processor's own settings say so too (an engine that expands images itself reads them),
+    # and a folder cached before they were written gets them at the next load
+    settings = Path(path) / "processor_config.json"
+    assert json.loads(settings.read_text()) == {"image_seq_len": 16}
+    settings.unlink()
+    assert resolve_model_path(cfg) == path and json.loads(settings.read_text()) == {"image_seq_len": 16}
     engine = HFEngine(model, tokenizer, vision=vision.family, report_log_probs=True)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     out = engine.generate([e[0] for e in encoded], 1, params, images=[e[1] for e in encoded])

@@ -111,3 +111,25 @@ def test_placeholders_and_pixel_limits():
     assert fit_pixels(image, 1_000, 100_000) is image
     w, h = fit_pixels(Image.new("RGB", (333, 111)), 0, 5_000).size
     assert w * h <= 5_000 and (w, h) == (122, 40)  # sqrt(5000 / 36963) = 0.3678: 122.5 x 40.8, floored
+
+
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_vl"])
+def test_a_saved_processor_keeps_its_settings_and_says_how_an_image_expands(tmp_path, family):
+    """processor_config.json travels with an export (the source folder's keys kept), and an
+    Idefics3 folder states its <image> tokens per tile, which an engine that processes images
+    itself (vLLM) would otherwise take from the processor's default (169)."""
+    import json
+
+    from grouprl.vision.processor import VisionProcessor
+    from vision_helpers import tiny_vlm
+
+    model, tokenizer, _ = tiny_vlm(family, tmp_path / "source")
+    source = tmp_path / "source" / "processor_config.json"
+    before = json.loads(source.read_text()) if source.is_file() else {}
+    source.write_text(json.dumps({**before, "custom_setting": 7}))
+    vision = VisionProcessor.load(str(tmp_path / "source"), model.config, tokenizer)
+    vision.save_pretrained(tmp_path / "export")
+    saved = json.loads((tmp_path / "export" / "processor_config.json").read_text())
+    want = {"custom_setting": 7, **({"image_seq_len": 4} if family == "idefics3" else {})}
+    assert saved == want
+    assert vision.family.processor_settings() == ({"image_seq_len": vision.family.seq_len} if family == "idefics3" else {})

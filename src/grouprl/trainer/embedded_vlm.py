@@ -9,11 +9,13 @@ text embedding space: 16 image tokens an image) start random and learn by superv
 fine-tuning (`configs/vlm_sft.yaml`) before RL. Three image tokens join the tokenizer
 (`<fake_token_around_image>`, `<image>`, `<global-img>`); their embedding rows start at the mean
 of the others. About 142M parameters. The result is cached like the converted text model
-(`model.cache_dir`/models/<name>) and loads with a plain `from_pretrained`.
+(`model.cache_dir`/models/<name>) with its processor's settings (`image_seq_len`, for vLLM) and
+loads with a plain `from_pretrained`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -30,6 +32,8 @@ VISION = dict(
     image_size=IMAGE_SIZE,
     patch_size=8,
 )
+SCALE = 2  # the connector's pixel shuffle
+IMAGE_SEQ_LEN = (IMAGE_SIZE // VISION["patch_size"]) ** 2 // SCALE**2  # <image> tokens an image: 16
 
 
 def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
@@ -50,7 +54,7 @@ def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
     config = Idefics3Config(
         text_config=text.config.to_dict(),
         vision_config=VISION,
-        scale_factor=2,
+        scale_factor=SCALE,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -70,4 +74,19 @@ def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
         size={"longest_edge": IMAGE_SIZE},
         max_image_size={"longest_edge": IMAGE_SIZE},
     )
-    save_into_cache(target, model, tokenizer, image_processor)
+    save_into_cache(target, model, tokenizer, image_processor, _ProcessorSettings())
+
+
+
+class _ProcessorSettings:
+    """processor_config.json: the processor's own settings (Idefics3Processor's default, 169
+    image tokens a tile, is SmolVLM's; an engine that processes images itself reads this)."""
+
+    def save_pretrained(self, folder) -> None:
+        (Path(folder) / "processor_config.json").write_text(json.dumps({"image_seq_len": IMAGE_SEQ_LEN}) + "\n")
+
+
+def complete_cached(target: Path) -> None:
+    """A folder assembled before the processor's settings were saved gets them."""
+    if (target / "config.json").is_file() and not (target / "processor_config.json").is_file():
+        _ProcessorSettings().save_pretrained(target)

@@ -175,6 +175,9 @@ def resolve_model_path(cfg: ModelConfig) -> str:
             text = resolve_model_path(replace(cfg, path=f"builtin:{BUILTIN_VLMS[name]}", gguf_file=None))
             log.info("assembling the embedded VLM %s from %s (once; cached in %s)", name, text, target)
             build_embedded_vlm(target, text)
+        from grouprl.trainer.embedded_vlm import complete_cached
+
+        complete_cached(target)
         return str(target)
     if path.startswith("builtin:"):
         name = path.split(":", 1)[1]

@@ -85,6 +85,12 @@ class Family:
         as padding): what a pass that must only touch every weight of the tower runs."""
         raise NotImplementedError
 
+    def processor_settings(self) -> dict[str, Any]:
+        """What the model's processor (not its image processor) must know for an image to expand
+        as it does here, written to processor_config.json beside the model (an engine that
+        processes images itself, vLLM, reads them there)."""
+        return {}
+
     def embed(self, model, ids: torch.Tensor, images: list[ImageInput]) -> torch.Tensor:
         """Token embeddings [B, L, H] of `ids` [B, L] with the features of `images` (in the
         row-major order of their tokens) in place of the image tokens."""
@@ -285,6 +291,11 @@ class IdeficsFamily(Family):
         parts = out.pooler_output if hasattr(out, "pooler_output") else out
         feats = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]) if isinstance(parts, (list, tuple)) else parts
         return feats.reshape(-1, feats.shape[-1])
+
+    def processor_settings(self) -> dict[str, Any]:
+        """The <image> tokens of one tile (Idefics3Processor's `image_seq_len`; its default, 169,
+        is SmolVLM's 512-pixel tiles')."""
+        return {"image_seq_len": self.seq_len}
 
     def blank(self) -> ImageInput:
         """One tile (the global view alone, no frame tokens)."""

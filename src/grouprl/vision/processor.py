@@ -22,11 +22,24 @@ from grouprl.errors import ModelLoadError
 from grouprl.vision.families import Family, ImageInput, family_for
 from grouprl.vision.images import IMAGE_PLACEHOLDER, fit_pixels, open_image, with_placeholders
 
+PROCESSOR_CONFIG = "processor_config.json"
+
 
 class VisionProcessor:
-    def __init__(self, tokenizer: Any, family: Family, *, min_pixels: int = 0, max_pixels: int = 0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        family: Family,
+        *,
+        min_pixels: int = 0,
+        max_pixels: int = 0,
+        processor_config: dict[str, Any] | None = None,
+    ):
+        """`processor_config`: the model folder's processor_config.json (the processor's own
+        settings, beside the image processor's), written back on save."""
         self.tokenizer, self.family = tokenizer, family
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.processor_config = dict(processor_config or {})
 
     @classmethod
     def load(cls, path: str, config, tokenizer, *, min_pixels: int = 0, max_pixels: int = 0, trust_remote_code=False):
@@ -41,11 +54,19 @@ class VisionProcessor:
         template = _processor_chat_template(path)
         if template:
             tokenizer.chat_template = template
-        return cls(tokenizer, family_for(config, tokenizer, image_processor), min_pixels=min_pixels, max_pixels=max_pixels)
+        family = family_for(config, tokenizer, image_processor)
+        return cls(
+            tokenizer, family, min_pixels=min_pixels, max_pixels=max_pixels, processor_config=_processor_config(path)
+        )
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """Write the image processor (the tokenizer is saved by whoever saves the model)."""
+        """Write the image processor and the processor's settings (the folder's own, with what
+        the family needs for images to expand as here: `Family.processor_settings`); the
+        tokenizer is saved by whoever saves the model."""
         self.family.image_processor.save_pretrained(folder)
+        settings = {**self.processor_config, **self.family.processor_settings()}
+        if settings:
+            (Path(folder) / PROCESSOR_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
 
     def prepare_image(self, image: Any, base_dir: str | Path | None = None) -> ImageInput:
         """One image (path, bytes or PIL) within the pixel limits, processed for the model."""
@@ -74,6 +95,17 @@ class VisionProcessor:
             with_placeholders(messages), tokenize=False, add_generation_prompt=True
         )
         return self.encode_text(text, prepared), prepared
+
+
+def _processor_config(path: str) -> dict[str, Any]:
+    """A local folder's processor_config.json, or nothing (a hub id: its settings come with
+    the processor vLLM loads itself)."""
+    file = Path(path) / PROCESSOR_CONFIG
+    try:
+        found = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _processor_chat_template(path: str) -> str | None:
