@@ -132,6 +132,10 @@ class RolloutConfig:
     """Prefill each group's prompt once and expand its KV cache to the n_agent samples."""
     check_log_probs: bool = False
     """Record each sampled token's log-prob and log how far the update's are from them (rollout/mismatch_*) also where the engine computes the trainer's own numbers (float32 on the built-in engine): a check that training sees what generation saw. Wherever they can differ (bf16, vLLM) they are recorded anyway."""
+    max_staleness: int = 0
+    """Asynchronous training: the rollout of step s may come from weights as old as step s-k (k = this). Generation of the next steps runs while this step's rewards finish and its update runs; the update corrects with the decoupled PPO objective (importance weights of the behaviour policy's log-probs). 0 = synchronous."""
+    async_schedule: Literal["fixed_lag", "newest"] = "fixed_lag"
+    """With max_staleness > 0: fixed_lag = step s always trains on the rollout of weights s-k (deterministic: a resumed run repeats an uninterrupted one exactly); newest = each batch starts on the newest weights there are, and an agent's later turns take weights pushed meanwhile (partial rollouts)."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -1274,6 +1278,17 @@ def validate(cfg: Config) -> Config:
         "memory plan); an engine sharded over several GPUs is not supported",
     )
     need(cfg.rollout.max_model_len >= 0, "config key 'rollout.max_model_len' must be >= 0 (0 = the model's)")
+    need(cfg.rollout.max_staleness >= 0, "config key 'rollout.max_staleness' must be >= 0 (0 = synchronous)")
+    need(
+        cfg.rollout.max_staleness == 0 or cfg.rollout.engine != "vllm" or cfg.rollout.sleep_level == 0,
+        "config key 'rollout.sleep_level' must be 0 with rollout.max_staleness > 0: the engine generates "
+        "while the update runs, so it never sleeps",
+    )
+    need(
+        cfg.rollout.max_staleness == 0 or cfg.model.quantization == "none",
+        f"config key 'rollout.max_staleness' must be 0 with model.quantization={cfg.model.quantization}: "
+        "asynchronous generation runs on a copy of the policy, which packed 4/8-bit weights do not make",
+    )
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")
     need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")

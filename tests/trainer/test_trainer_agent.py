@@ -60,7 +60,7 @@ def test_search_without_a_retriever_is_a_config_error(tmp_path, model_dir, index
 def _track_submissions(trainer):
     """Record each group handed to the streaming scorer, and whether the agent loop was running."""
     running, submitted = [False], []
-    run, submit = trainer.agent.run, trainer.streaming.submit
+    run, open_batch = trainer.agent.run, trainer.streaming.open
 
     def tracked_run(*args, **kwargs):
         running[0] = True
@@ -69,11 +69,18 @@ def _track_submissions(trainer):
         finally:
             running[0] = False
 
-    def tracked_submit(group):
-        submitted.append((running[0], group))
-        submit(group)
+    def tracked_open():
+        batch = open_batch()
+        submit = batch.submit
 
-    trainer.agent.run, trainer.streaming.submit = tracked_run, tracked_submit
+        def tracked_submit(group):
+            submitted.append((running[0], group))
+            submit(group)
+
+        batch.submit = tracked_submit
+        return batch
+
+    trainer.agent.run, trainer.streaming.open = tracked_run, tracked_open
     return submitted
 
 

@@ -40,13 +40,40 @@ def _is_count(key: str) -> bool:
 
 
 class StreamingRewards:
-    """Scores groups in the background: `submit(group)` during generation, then `finish()`."""
+    """Scores groups in the background: `submit(group)` during generation, then `finish()`; or,
+    where batches overlap (asynchronous training: one batch still being scored while the next
+    generates), `open()` a `RewardBatch` per batch, each with its own submit / finish."""
 
     def __init__(self, reward: CompositeReward):
         self.reward = reward
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grouprl-rewards", daemon=True)
         self._thread.start()
+        self._batch = RewardBatch(self)
+
+    def open(self) -> RewardBatch:
+        """A batch of groups of its own, scored on the shared background loop."""
+        return RewardBatch(self)
+
+    def submit(self, group: list[Trajectory]) -> None:
+        """Start scoring one finished group (its trajectories are scored in place)."""
+        self._batch.submit(group)
+
+    def finish(self, generation_end: float | None = None) -> dict[str, float]:
+        """Wait for every group submitted since the last finish; their merged metrics."""
+        return self._batch.finish(generation_end)
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+class RewardBatch:
+    """One batch's groups on a StreamingRewards loop: submit each as it completes, then finish."""
+
+    def __init__(self, streaming: StreamingRewards):
+        self.streaming = streaming
         self._pending: list[tuple[list[Trajectory], Future]] = []
         self._intervals: list[list[float]] = []  # per group [submitted, scored] (perf_counter)
 
@@ -54,12 +81,12 @@ class StreamingRewards:
         """Start scoring one finished group (its trajectories are scored in place)."""
         interval = [time.perf_counter(), math.inf]
         self._intervals.append(interval)
-        future = asyncio.run_coroutine_threadsafe(self._score(group, interval), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._score(group, interval), self.streaming._loop)
         self._pending.append((group, future))
 
     async def _score(self, group: list[Trajectory], interval: list[float]) -> dict[str, float]:
         try:
-            return await self.reward.ascore(group)
+            return await self.streaming.reward.ascore(group)
         finally:
             interval[1] = time.perf_counter()
 
@@ -85,11 +112,6 @@ class StreamingRewards:
         merged["time/reward_hidden"] = _covered(intervals, generation_end)
         self._pending, self._intervals = [], []
         return merged
-
-    def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
 
 
 def combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:

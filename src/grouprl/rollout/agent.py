@@ -127,6 +127,10 @@ class AgentLoop:
         self.chat = ChatRenderer(tokenizer, cfg.observation_role)
         self.system_prompt = protocol_prompt("none" if self.self_answer else "frozen", cfg.system_prompt)
         self.stats: dict[str, float] = {}  # the last run's counts, as metrics
+        # called before each turn's generation: the policy version of the weights the turn
+        # samples from (asynchronous training may push newer weights between turns: a partial
+        # rollout), or None; recorded in each turn's record
+        self.before_turn: Callable[[], int | None] | None = None
         self._answer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # remote answer calls
 
     def encode_prompts(self, samples: list[Sample]) -> list[list[int]]:
@@ -181,6 +185,7 @@ class AgentLoop:
             if not active:
                 break
             fed = {"new_images": [new_images[k] for k in active]} if self.vision is not None else {}
+            version = self.before_turn() if self.before_turn is not None else None
             generations = session.generate(active, [new_tokens[k] for k in active], turn_params, generator, **fed)
             answering = self._settle(answering, groups)
             actions = [parse_action(g.text) for g in generations]
@@ -193,7 +198,9 @@ class AgentLoop:
             for k, g, action, obs in zip(active, generations, actions, observations):
                 r = rollouts[k]
                 r.state.turn += 1
-                r.trajectory.turns.append(_turn_record(turn, g, action, obs))
+                r.trajectory.turns.append(_turn_record(turn, g, action, obs, version))
+                if r.trajectory.version is None:
+                    r.trajectory.version = version
                 if r.state.finished:
                     session.release(k)
                     ended.append(r)
@@ -372,8 +379,10 @@ class _Groups:
                 self.on_group_done(g, [r.trajectory for r in self.rollouts[g * self.n : (g + 1) * self.n]])
 
 
-def _turn_record(turn: int, g: Generation, action: Action, obs: Observation | None) -> dict[str, Any]:
-    return {
+def _turn_record(
+    turn: int, g: Generation, action: Action, obs: Observation | None, version: int | None = None
+) -> dict[str, Any]:
+    record = {
         "turn": turn,
         "action": action.kind,
         "argument": action.argument[:RECORD_CHARS],
@@ -385,6 +394,9 @@ def _turn_record(turn: int, g: Generation, action: Action, obs: Observation | No
         "images": len(obs.images) if obs else 0,
         "image_files": [_image_name(i) for i in obs.images] if obs else [],
     }
+    if version is not None:  # asynchronous training: the weights this turn sampled from
+        record["version"] = version
+    return record
 
 
 def _image_name(image: Any) -> str:

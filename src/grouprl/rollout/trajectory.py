@@ -34,6 +34,10 @@ class Trajectory:
     # prompt and in the response (image observations), in token order: what the update feeds
     prompt_images: list[Any] = field(default_factory=list)
     response_images: list[Any] = field(default_factory=list)
+    # the policy version (optimizer updates done) whose weights sampled its first token: the
+    # step's own in the synchronous loop, older with rollout.max_staleness (agents: each turn's
+    # version is in its turn record)
+    version: int | None = None
     rewards: dict[str, float] = field(default_factory=dict)  # named components
     artifacts: dict[str, str] = field(default_factory=dict)  # files reward models made (model -> image path)
     reward: float = 0.0  # composite

@@ -224,6 +224,7 @@ class RolloutWriter:
                 "response_tokens": len(t.response_ids),
                 "truncated": t.truncated,
                 "finish_reason": t.finish_reason,
+                "version": t.version,  # the policy version (updates done) that sampled it
                 "ground_truth": t.sample.ground_truth,
                 "time": time.time(),
             }

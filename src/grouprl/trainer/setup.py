@@ -108,6 +108,11 @@ def check_parallel(cfg: Config, ranks: Ranks) -> None:
         raise UserError(
             f"model.quantization={cfg.model.quantization} runs in one process only (this run has {world} ranks)"
         )
+    if cfg.rollout.max_staleness:  # a second thread's collectives would interleave with the update's
+        raise UserError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} (asynchronous training) runs in one process only "
+            f"for now (this run has {world} ranks)"
+        )
 
 
 def check_images(cfg: Config, samples: list[Sample], config) -> None:
@@ -234,6 +239,22 @@ class Parts:
     single_turn: SingleTurn
     streaming: StreamingRewards | None  # groups scored while the rest of the batch generates
     updater: PolicyUpdater
+    # rollout.max_staleness > 0: what generates ahead of the update, on a thread of its own
+    ahead: Ahead | None = None
+
+
+@dataclass
+class Ahead:
+    """The generation side of asynchronous training: a copy of the policy (`model`, loaded
+    with the weights of the version a batch needs), the engine that samples from it (the
+    built-in engine over the copy, or vLLM, which pushes from it into its own) and the rollout
+    runners over that engine. The trainer's own `engine` then serves evaluation, on the
+    current weights."""
+
+    model: torch.nn.Module
+    engine: RolloutEngine
+    agent: AgentLoop | None
+    single_turn: SingleTurn
 
 
 def make_sampler(cfg: Config, train_samples: list[Sample]) -> PromptSampler | OnlineCurriculum:
@@ -297,7 +318,10 @@ def build(cfg: Config) -> Parts:
     rollout_dtype = resolve_rollout_dtype(cfg.rollout.dtype, device, dtype, compute_dtype)
     # where the engine's numbers can differ from the update's (bf16, vLLM) it records its
     # log-probs, and importance correction is on unless switched off (algorithm.rollout_is)
-    engine_differs = engine_may_differ(cfg.rollout.engine, dtype, compute_dtype, rollout_dtype)
+    # asynchronous training samples from older weights than the update's: always a correction
+    engine_differs = (
+        engine_may_differ(cfg.rollout.engine, dtype, compute_dtype, rollout_dtype) or cfg.rollout.max_staleness > 0
+    )
     rollout_is = cfg.algorithm.rollout_is
     if rollout_is == "auto":
         rollout_is = "token" if engine_differs else "off"
@@ -341,18 +365,34 @@ def build(cfg: Config) -> Parts:
     mini_batches = cfg.data.train_batch_size // (a.mini_batch_size or cfg.data.train_batch_size)
     optimizer = build_optimizer(params, a.optim)
     scheduler = build_scheduler(optimizer, a.optim, total_steps * mini_batches * a.ppo_epochs)
-    engine = build_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
-        model_path=model_path,
-        seed=cfg.trainer.seed,
-        dtype=rollout_dtype,
-        vision=family,
-        report_log_probs=cfg.rollout.check_log_probs or engine_differs or rollout_is != "off",
-        sharded=policy if policy is not model else None,  # each rank's engine, fed layer by layer
-        device=device,
-    )
+    report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
+    ahead = None
+    if cfg.rollout.max_staleness:
+        # generation ahead of the update samples from a copy of the policy; the trainer's own
+        # built-in engine, on the current weights, serves evaluation
+        shadow = copy.deepcopy(model).requires_grad_(False)
+        generator = build_engine(
+            cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
+            vision=family, report_log_probs=True, device=device,
+        )  # fmt: skip
+        agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
+        ahead = Ahead(shadow, generator, agent, SingleTurn(generator))
+        engine = build_engine(
+            replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report
+        )
+    else:
+        engine = build_engine(
+            cfg.rollout,
+            model,
+            tokenizer,
+            model_path=model_path,
+            seed=cfg.trainer.seed,
+            dtype=rollout_dtype,
+            vision=family,
+            report_log_probs=report,
+            sharded=policy if policy is not model else None,  # each rank's engine, fed layer by layer
+            device=device,
+        )
     agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
     updater = PolicyUpdater(
         a,
@@ -402,4 +442,5 @@ def build(cfg: Config) -> Parts:
         single_turn=SingleTurn(engine),
         streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
         updater=updater,
+        ahead=ahead,
     )

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,6 +78,26 @@ class StepBatch:
         """The trajectories without the pads."""
         n = len(self.trajectories) // max(len(self.samples), 1)
         return self.trajectories[: len(self.trajectories) - self.pads * n]
+
+
+@dataclass
+class Generated:
+    """One rollout's trajectories, their rewards in flight (`stream`) or still to be taken."""
+
+    trajectories: list[Trajectory]
+    stream: Any  # rewards.streaming.RewardBatch, or None (scored when the batch is finished)
+    start: float  # perf_counter: generation began / ended
+    end: float
+    stats: dict[str, float]  # the rollout's own figures (runner.stats)
+
+
+@dataclass
+class Pending:
+    """A step's batch between Collector.start and Collector.finish: generated, maybe not scored."""
+
+    batch: StepBatch
+    generated: Generated | None = None
+    done: bool = False  # scored and settled (dynamic filtering does it all in start)
 
 
 def policy_for_generation(cfg: Config, policy):
@@ -180,13 +201,38 @@ class Collector:
     def collect(self, step: int, version: int | None = None) -> StepBatch:
         """The step's groups, generated and scored (an engine that sleeps between rollouts wakes
         for it). Raises JudgeUnavailableError, on every rank alike, when a judge stopped answering."""
+        return self.finish(self.start(step, version))
+
+    def start(self, step: int, version: int | None = None) -> Pending:
+        """The first half of collect: draw the step's prompts and generate, their rewards in
+        flight (streamed) or to be taken by `finish`. With dynamic filtering, whose refills need
+        the rewards, the whole batch is done here. `version`: the policy version whose weights
+        generate (default: `step`, the synchronous loop's)."""
         self._step, self._calls = step, 0
+        p = self.p
         started = time.perf_counter()
-        pushed = getattr(self.p.engine, "push_seconds", None)  # an engine with its own copy of the weights
-        with rollout_phase(self.p.engine):
-            batch = self._rollout_and_score(step)
-        batch.version = step if version is None else version
-        batch.started, batch.pushed_before = started, pushed
+        pushed = getattr(p.engine, "push_seconds", None)  # an engine with its own copy of the weights
+        p.reward.judge_report()  # an evaluation's judge calls are not this step's
+        out = StepBatch(step=step, version=step if version is None else version, samples=[], prompts=[],
+                        trajectories=[], groups=[], started=started, pushed_before=pushed)  # fmt: skip
+        samples, prompts = self.next_prompts()  # the whole step's, the same on every rank
+        # this rank's whole groups: its part of every mini-batch, so that each optimizer step
+        # sees the groups it sees in one process
+        mine = self.ranks.share(len(samples), block=self.cfg.actor.mini_batch_size or len(samples))
+        out.samples, out.prompts, out.groups = [samples[g] for g in mine], [prompts[g] for g in mine], mine
+        pending = Pending(out)
+        with rollout_phase(p.engine):
+            pending.generated = self._generate(out.samples, out.prompts, mine, out.version)
+            if isinstance(p.sampler, OnlineCurriculum) and self.cfg.curriculum.dynamic_filter:
+                self._complete(pending)  # refills: generated within this rollout
+        return pending
+
+    def finish(self, pending: Pending) -> StepBatch:
+        """The second half: wait for the rewards, then judge failures, dropped groups and the
+        curriculum's tracker; the StepBatch learn takes."""
+        if not pending.done:
+            self._complete(pending)
+        batch = pending.batch
         batch.metrics.update(
             {
                 **self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
@@ -196,44 +242,56 @@ class Collector:
         )
         return batch
 
-    def _rollout_and_score(self, step: int) -> StepBatch:
-        """Generate and score the step's groups. With curriculum.dynamic_filter, over-sample prompts
-        (at most max_oversample x B) and keep B groups whose rewards are not all equal.
+    def _generate(self, samples, prompts, first_group, version: int) -> Generated:
+        """Roll out `samples`; their groups' rewards stream in while generation goes on."""
+        n, p = self.cfg.rollout.n_agent, self.p
+        t0 = time.perf_counter()
+        stream = p.streaming.open() if p.streaming is not None else None
+        on_group = stream.submit if stream is not None else None
+        trajectories = self.rollout(samples, prompts, n, on_group=on_group, first_group=first_group)
+        for t in trajectories:
+            t.version = version if t.version is None else t.version
+        return Generated(trajectories, stream, t0, time.perf_counter(), dict(self.runner.stats))
 
-        Groups a failed judge dropped (on_failure: drop_group) leave the batch on every rank alike
-        (decided over every rank's groups), and the kept groups are shared out again, each rank
-        its part of every mini-batch. A mini-batch whose kept groups do not split evenly over the
-        ranks is padded: the ranks short of a group get a copy of a kept group with an all-zero
-        loss mask, which adds no term to the loss and no token or row to its denominators, so the
-        update is the one of one process on the kept groups. The pads come last in this rank's
-        lists (`StepBatch.pads` of them); learn leaves them out of everything it reports."""
+    def _score(self, generated: Generated, clock: dict[str, float]) -> dict[str, float]:
+        """Wait for (or take) the rewards of generated trajectories; a judge that stopped
+        answering stops the run, on every rank alike."""
+        c, p = self.cfg, self.p
+        if generated.stream is not None:
+            metrics = generated.stream.finish(generated.end)
+            clock["reward_hidden"] += metrics.pop("time/reward_hidden")
+            metrics.pop("time/reward_span")
+            clock["reward"] += metrics.pop("time/reward")
+        else:
+            t1 = time.perf_counter()
+            metrics = p.reward.score(generated.trajectories)
+            clock["reward"] += time.perf_counter() - t1
+        clock["generate"] += generated.end - generated.start
+        metrics.update(generated.stats)
+        if p.reward.judges:
+            r = c.reward
+            why = judges_down(self.ranks.gather(p.reward.judge_report()), r.max_consecutive_failures, r.max_failed_share)
+            if why is not None:
+                raise JudgeUnavailableError(why)
+        return metrics
+
+    def _complete(self, pending: Pending) -> None:
+        """Score the pending batch's groups (and, with dynamic filtering, refill until enough
+        groups differ). Groups a failed judge dropped (on_failure: drop_group) leave the batch on
+        every rank alike (decided over every rank's groups), and the kept groups are shared out
+        again, each rank its part of every mini-batch. A mini-batch whose kept groups do not
+        split evenly over the ranks is padded: the ranks short of a group get a copy of a kept
+        group with an all-zero loss mask, which adds no term to the loss and no token or row to
+        its denominators, so the update is the one of one process on the kept groups. The pads
+        come last in this rank's lists (`StepBatch.pads` of them); learn leaves them out of
+        everything it reports."""
         c, n, p = self.cfg, self.cfg.rollout.n_agent, self.p
+        out = pending.batch
         clock = {"generate": 0.0, "reward": 0.0, "reward_hidden": 0.0}
-        p.reward.judge_report()  # an evaluation's judge calls are not this step's
-        out = StepBatch(step=step, version=step, samples=[], prompts=[], trajectories=[], groups=[])
 
         def generate_and_score(samples, prompts, first_group=0):
-            t0 = time.perf_counter()
-            if p.streaming is not None:
-                trajectories = self.rollout(samples, prompts, n, on_group=p.streaming.submit, first_group=first_group)
-                t1 = time.perf_counter()
-                metrics = p.streaming.finish(t1)
-                clock["reward_hidden"] += metrics.pop("time/reward_hidden")
-                metrics.pop("time/reward_span")
-                clock["reward"] += metrics.pop("time/reward")
-            else:
-                trajectories = self.rollout(samples, prompts, n, first_group=first_group)
-                t1 = time.perf_counter()
-                metrics = p.reward.score(trajectories)
-                clock["reward"] += time.perf_counter() - t1
-            clock["generate"] += t1 - t0
-            metrics.update(self.runner.stats)
-            if p.reward.judges:  # a judge that stopped answering stops the run, on every rank alike
-                r = c.reward
-                why = judges_down(self.ranks.gather(p.reward.judge_report()), r.max_consecutive_failures, r.max_failed_share)
-                if why is not None:
-                    raise JudgeUnavailableError(why)
-            return trajectories, metrics
+            generated = self._generate(samples, prompts, first_group, out.version)
+            return generated.trajectories, self._score(generated, clock)
 
         def group_rewards() -> list[list[float]]:
             return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
@@ -256,13 +314,9 @@ class Collector:
                     chosen.append((None, sample, prompt, pad))
             return [x[1] for x in chosen], [x[2] for x in chosen], [t for x in chosen for t in x[3]]
 
-        samples, prompts = self.next_prompts()  # the whole step's, the same on every rank
-        # this rank's whole groups: its part of every mini-batch, so that each optimizer step
-        # sees the groups it sees in one process
-        mine = self.ranks.share(len(samples), block=c.actor.mini_batch_size or len(samples))
-        samples, prompts = [samples[g] for g in mine], [prompts[g] for g in mine]
-        out.groups = mine
-        trajectories, metrics = generate_and_score(samples, prompts, mine)
+        samples, prompts = out.samples, out.prompts
+        trajectories = pending.generated.trajectories
+        metrics = self._score(pending.generated, clock)
         curriculum = isinstance(p.sampler, OnlineCurriculum)
         if curriculum and c.curriculum.dynamic_filter:
             kept, metrics = self._filter_groups(out, samples, prompts, trajectories, metrics, generate_and_score)
@@ -296,7 +350,7 @@ class Collector:
         if p.streaming is not None:  # reward work that overlapped generation (not waited for)
             metrics["time/reward_hidden"] = clock["reward_hidden"]
         out.samples, out.prompts, out.trajectories, out.metrics = samples, prompts, trajectories, metrics
-        return out
+        pending.done = True
 
     def _filter_groups(self, out: StepBatch, samples, prompts, trajectories, metrics, generate_and_score):
         """curriculum.dynamic_filter: over-sample prompts (at most max_oversample x B) until B

@@ -25,6 +25,7 @@ from grouprl.trainer.export import export_model
 from grouprl.trainer.image_report import write_report
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.parallel import inner, whole_state_dict
+from grouprl.trainer.pipeline import RolloutPipeline
 from grouprl.trainer.setup import build
 from grouprl.trainer.step import Collector, Learner, StepBatch, reduce_step_metrics
 
@@ -81,11 +82,16 @@ class Trainer:
         }
         # what a checkpoint taken on Ctrl-C must restore (see fit)
         self._pre_step_state: dict | None = None
+        # rollout.max_staleness > 0: generation ahead of the update (started by the first step);
+        # a resumed fixed-lag run's weights of the older versions its first batches sample from
+        self.pipeline: RolloutPipeline | None = None
+        self._ahead_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._step_clock: float | None = None
         self._resume()
 
     # ------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
-        return {
+        state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "rng": rng_state(),
@@ -94,6 +100,14 @@ class Trainer:
             "counters": dict(self.counters),
             "total_steps": self.total_steps,
         }
+        if self.parts.ahead is not None:  # batches generated ahead are made again after a resume
+            if self.pipeline is not None:
+                ahead = self.pipeline.state(self.step)
+            else:
+                ahead = {"sampler": state["sampler"], "weights": self._ahead_weights}
+            state["sampler"] = ahead["sampler"]
+            state["ahead_weights"] = {str(v): w for v, w in ahead["weights"].items()}
+        return state
 
     def _resume(self) -> None:
         t = self.cfg.trainer
@@ -110,6 +124,7 @@ class Trainer:
         self.history = state["history"]
         self.best_metric = state["best_metric"]
         self.counters = state["counters"]
+        self._ahead_weights = {int(v): w for v, w in state.get("ahead_weights", {}).items()}
         self.engine.weights_updated(self.model)
         log.info("resumed from %s at step %d", path, self.step)
 
@@ -133,9 +148,13 @@ class Trainer:
         """collect, then learn; the step's metrics (one value each over the ranks) and this rank's
         trajectories."""
         self._sweep_once()
+        if self.parts.ahead is not None and self.pipeline is None:
+            self._start_pipeline()
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state = self._trainer_state()
+        waited = time.perf_counter()
         batch = self._collect()
+        waited = time.perf_counter() - waited
         self._groups = batch.groups
         self.counters["dropped_groups"] += batch.dropped_groups
         if not batch.trajectories:  # every group dropped (judge failures), on every rank alike
@@ -147,6 +166,12 @@ class Trainer:
             self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
         self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))  # every rank's
         self.step += 1
+        if self.pipeline is not None:  # the batches that sample from these weights may start
+            self.pipeline.publish(self.step, self.model)
+            now = time.perf_counter()
+            metrics["time/step"] = now - self._step_clock  # generation overlaps: step to step
+            metrics["time/wait_batch"] = waited  # the update waited for its batch
+            self._step_clock = now
         refresh = self.cfg.algorithm.ref_refresh_steps
         if refresh and self.step % refresh == 0 and isinstance(self.ref_model, torch.nn.Module):
             inner(self.ref_model).load_state_dict(self.model.state_dict())
@@ -163,10 +188,25 @@ class Trainer:
             self.checkpoints.sweep((self.run_dir / "final", self.run_dir / "best"), remove=self.ranks.main)
             self.ranks.barrier()
 
+    def _start_pipeline(self) -> None:
+        """Generation ahead of the update, from this step on (a resumed run's batches again)."""
+        self.pipeline = RolloutPipeline(
+            self.cfg, self.parts, self.step, self.total_steps, snapshots=self._ahead_weights
+        )
+        self.pipeline.start(self.step, self.model)
+        self._step_clock = time.perf_counter()
+
+    def close_pipeline(self) -> None:
+        """Stop generating ahead (fit does it when it ends)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+
     def _collect(self) -> StepBatch:
         """This step's batch; a judge that stopped answering stops the run after saving the last
         finished step (this one is redone on resume)."""
         try:
+            if self.pipeline is not None:
+                return self.pipeline.take(self.step)
             return self.collector.collect(self.step)
         except JudgeUnavailableError as e:
             pre = self._pre_step_state
@@ -241,6 +281,7 @@ class Trainer:
             self._interrupted(logs.say)
             raise
         finally:
+            self.close_pipeline()
             logs.close()
             if self.streaming is not None:  # closed for good: a later step scores after generating
                 self.streaming.close()

@@ -1,0 +1,110 @@
+"""Asynchronous training against a slow judge: step time with rollout.max_staleness 0, 1, 2, and
+held-out accuracy after the same number of samples synchronously and one step off policy.
+
+    .venv/bin/python benchmarks/async_judge.py --latency 5 --steps 6 --rounds 2     # step time
+    .venv/bin/python benchmarks/async_judge.py --learn --steps 20                    # accuracy
+
+Step time: the default recipe (SmolLM2-135M-Instruct, arithmetic, 4 prompts x 8 samples) with a
+judge component (weight 0.5) served by the fake OpenAI-compatible judge in its own process on
+127.0.0.1, every call answered after `--latency` seconds (all of a step's calls in flight at
+once). One `grouprl train` per k (fixed lag), `--steps` steps, rounds alternating the order.
+Printed per k: median step time (steps after the first), the update's wait for its batch
+(`time/wait_batch`), generation and update time, and the judge time hidden: (sync step - step)
+/ latency, the share of one judge wait per step that no longer holds a step up.
+
+`--learn`: no judge; the default recipe for `--steps` steps with k = 0 and k = 1 (fixed lag,
+the same seed), held-out accuracy on 128 prompts before and after, with its standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_JUDGE = ROOT / "tests" / "rewards" / "judges" / "fake_server.py"
+
+
+def run(k: int, overrides: list[str], out: Path, name: str) -> list[dict]:
+    command = [
+        sys.executable, "-m", "grouprl", "train", f"rollout.max_staleness={k}", "trainer.device=cpu",
+        "trainer.resume_mode=disable", "trainer.save_freq=0", "trainer.save_final=false", "trainer.save_best=false",
+        "trainer.loggers=[jsonl]", f"trainer.output_dir={out}", f"trainer.experiment_name={name}", *overrides,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
+    if done.returncode:
+        raise SystemExit(f"k={k} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_time(args) -> None:
+    judge = subprocess.Popen(
+        [sys.executable, str(FAKE_JUDGE), "--latency", str(args.latency)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        base_url = judge.stdout.readline().strip().split()[-1]
+        overrides = [
+            f"reward.judges=[{{name: slow, model: fake-judge, base_url: '{base_url}', cache_path: '', "
+            "max_concurrent_requests: 64, scale: 9}]",
+            "reward.components=[{name: correctness, weight: 1.0}, {name: judge, function: 'judge:slow', weight: 0.5}]",
+            "data.task_val_size=0",
+            f"trainer.total_steps={args.steps}",
+            "actor.dtype=float32",
+        ]
+        ks = [0, 1, 2]
+        figures: dict[int, list[dict]] = {k: [] for k in ks}
+        with tempfile.TemporaryDirectory(prefix="async-judge-") as tmp:
+            for r in range(args.rounds):
+                for k in ks[r % 3 :] + ks[: r % 3]:
+                    steps = [m for m in run(k, overrides, Path(tmp), f"k{k}-r{r}") if "time/step" in m][1:]
+                    figures[k] += steps
+                    print(f"round {r + 1} k={k}: step {statistics.median(m['time/step'] for m in steps):.2f} s", flush=True)
+    finally:
+        judge.terminate()
+    med = {k: {key: statistics.median(m.get(key, 0.0) for m in figures[k]) for key in
+               ("time/step", "time/wait_batch", "time/generate", "time/update", "time/reward")} for k in ks}  # fmt: skip
+    print(f"\njudge latency {args.latency:g} s, {args.steps} steps x {args.rounds} rounds (medians, first step left out)")
+    print("| max_staleness | step s | update waits for its batch s | generate s | update s | judge time hidden |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for k in ks:
+        m = med[k]
+        hidden = (med[0]["time/step"] - m["time/step"]) / args.latency
+        print(f"| {k} | {m['time/step']:.2f} | {m['time/wait_batch']:.2f} | {m['time/generate']:.2f} | "
+              f"{m['time/update']:.2f} | {hidden:.0%} |")  # fmt: skip
+    for k in ks[1:]:
+        print(f"k={k} / k=0: step {med[k]['time/step'] / med[0]['time/step']:.2f}x")
+
+
+def learn(args) -> None:
+    overrides = [f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "data.task_val_size=128"]
+    with tempfile.TemporaryDirectory(prefix="async-learn-") as tmp:
+        for k in (0, 1):
+            records = run(k, overrides, Path(tmp), f"k{k}")
+            evals = [m["val/accuracy"] for m in records if "val/accuracy" in m]
+            before, after = evals[0], evals[-1]
+            se = math.sqrt(after * (1 - after) / 128)
+            steps = [m for m in records if "time/step" in m]
+            stale = statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in steps)
+            print(f"k={k}: held-out accuracy {before:.3f} -> {after:.3f} (+-{se:.3f}) after {len(steps)} steps "
+                  f"x 32 samples; mean staleness {stale:.2f}", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--latency", type=float, default=5.0)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--learn", action="store_true")
+    args = p.parse_args()
+    learn(args) if args.learn else step_time(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Asynchronous training (`rollout.max_staleness` = k > 0): generation runs ahead of the update,
+at most k steps, so that the judge's latency and the update no longer hold generation up.
+
+    generator thread   for j = first, first + 1, ...: wait for the weights batch j samples from,
+                       load them into the generation copy of the policy, Collector.start(j)
+                       (draw, generate; rewards stream in while it runs)
+    scorer thread      each started batch in order: Collector.finish (wait for its rewards,
+                       judge failures, dropped groups, the curriculum's tracker) -> ready
+    the trainer        take(step) -> Learner.learn -> publish(step + 1, model)
+
+Which weights batch j samples from (`rollout.async_schedule`):
+- fixed_lag: version max(0, j - k) exactly, whatever the timing: the run is deterministic (the
+  same seed gives the same batches, updates and weights), and a checkpoint that keeps the
+  weights of the versions its in-flight batches need resumes it exactly (`state`).
+- newest: the newest published version at the batch's start (at least j - k), and an agent
+  batch takes a version published while it runs between two turns (a partial rollout: each turn
+  records its version).
+Either way no batch is more than k versions older than the update that trains on it: generation
+waits for the weights it needs (`time/wait_weights`), never trains anything staler.
+
+Published versions are snapshots of the trainable weights (a LoRA run's adapters only), kept
+while a batch still to start needs them (fixed_lag: k of them at most; newest: the newest).
+With a reward-dependent sampler (the online curriculum) batch j is drawn only after batch j-1's
+rewards taught the tracker, so draws stay deterministic; generation then waits for the judge.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from grouprl.curriculum.online import OnlineCurriculum
+from grouprl.trainer.step import Collector, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the weights an update changes (by name), detached."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+class RolloutPipeline:
+    """Batches generated and scored ahead of the update (see the module docstring)."""
+
+    def __init__(self, cfg, parts, first_step: int, total_steps: int, snapshots: dict[int, dict] | None = None):
+        """`parts`: setup.Parts with `ahead` set; `first_step`: the next step to learn;
+        `snapshots`: the weights of versions below `first_step` that its first batches need
+        (a resumed fixed-lag run's, from the checkpoint)."""
+        self.cfg = cfg
+        self.k = cfg.rollout.max_staleness
+        self.fixed = cfg.rollout.async_schedule == "fixed_lag"
+        ahead = parts.ahead
+        self.copy, self.engine = ahead.model, ahead.engine
+        self.names = trainable_names(parts.model)
+        generation = dataclasses.replace(parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn)
+        self.collector = Collector(cfg, generation)
+        self.sampler = parts.sampler
+        self.reward_dependent = isinstance(parts.sampler, OnlineCurriculum)
+        if ahead.agent is not None and not self.fixed:  # partial rollouts: newer weights between turns
+            ahead.agent.before_turn = self._between_turns
+        self.first, self.total = first_step, total_steps
+        self.cond = threading.Condition()
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = dict(snapshots or {})
+        self.newest = max(self.snapshots, default=-1)
+        self.loaded: int | None = None  # the version the copy holds
+        self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its draw
+        self.started = first_step  # the next batch to start
+        self.scored = first_step  # batches up to here are scored
+        self.learned = first_step  # the trainer's steps so far
+        self.queue: collections.deque = collections.deque()  # started, not yet scored (Pending)
+        self.ready: dict[int, StepBatch] = {}
+        self.waited: dict[int, float] = {}  # step -> seconds generation waited for weights
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.threads = [
+            threading.Thread(target=self._guard(self._generate), name="grouprl-generate", daemon=True),
+            threading.Thread(target=self._guard(self._score), name="grouprl-score", daemon=True),
+        ]
+
+    # ------------------------------------------------------------------ the trainer's side
+    def start(self, version: int, model: torch.nn.Module) -> None:
+        """Publish the current weights (`version`: the steps learned) and start the threads."""
+        self.publish(version, model)
+        for thread in self.threads:
+            thread.start()
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        """The update made `version`: a snapshot for the batches that will sample from it."""
+        snapshot = trainable_snapshot(model)
+        with self.cond:
+            self.learned = version
+            self.snapshots[version] = snapshot
+            self.newest = max(self.newest, version)
+            self._prune()
+            for j in [j for j in self.sampler_before if j < version]:  # batches learned: no checkpoint redraws them
+                del self.sampler_before[j]
+            self.cond.notify_all()
+
+    def take(self, step: int) -> StepBatch:
+        """Batch `step`, once generated and scored (a fault on the other threads is raised here)."""
+        with self.cond:
+            while step not in self.ready and self.error is None:
+                self.cond.wait(timeout=1.0)
+            if self.error is not None:
+                raise self.error
+            batch = self.ready.pop(step)
+            waited = self.waited.pop(step, 0.0)
+        trajectories = batch.real
+        ages = [step - (t.version if t.version is not None else batch.version) for t in trajectories]
+        turn_versions = [turn["version"] for t in trajectories for turn in t.turns if "version" in turn]
+        batch.metrics.update(
+            {
+                "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+                "rollout/staleness_max": float(max(ages, default=0)),
+                "rollout/policy_version": float(batch.version),
+                "time/wait_weights": waited,
+            }
+        )
+        if turn_versions:  # partial rollouts: turns that took newer weights than their first
+            batch.metrics["rollout/turn_versions"] = float(len(set(turn_versions)))
+        return batch
+
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint taken after `step` steps needs to go on as this run would: the
+        sampler as it was before batch `step` was drawn (its draw and the later ones are made
+        again) and, fixed_lag, the weights of the older versions those batches sample from."""
+        with self.cond:
+            sampler = self.sampler_before.get(step)
+            if sampler is None:  # not drawn yet: the sampler has not moved past it
+                sampler = self.sampler.state_dict()
+            versions = sorted({self.needed(j) for j in range(step, min(step + self.k, self.total))} - {step})
+            weights = {v: self.snapshots[v] for v in versions if self.fixed and v in self.snapshots}
+        return {"sampler": sampler, "weights": weights}
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        for thread in self.threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ schedule
+    def needed(self, step: int) -> int:
+        """fixed_lag: the version batch `step` samples from."""
+        return max(0, step - self.k)
+
+    def _prune(self) -> None:
+        """Keep the snapshots a batch not yet learned may need (fixed_lag: to start it, or to
+        make it again after a resume from a checkpoint taken now) or the newest."""
+        if self.fixed:
+            last = min(max(self.started, self.learned) + self.k + 1, self.total)
+            keep = {self.needed(j) for j in range(self.learned, last)}
+            keep.add(self.newest)
+        else:
+            keep = {self.newest}
+        for v in [v for v in self.snapshots if v not in keep]:
+            del self.snapshots[v]
+
+    def _load(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
+        """The copy takes `version`'s weights (generator thread, between requests); the engine
+        samples from them next (vLLM: pushed into its own copy)."""
+        if self.loaded == version:
+            return
+        params = dict(self.copy.named_parameters())
+        with torch.no_grad():
+            for name, tensor in snapshot.items():
+                params[name].copy_(tensor)
+        self.engine.weights_updated(self.copy)
+        self.loaded = version
+
+    def _between_turns(self) -> int | None:
+        """newest: an agent batch takes weights published since its last turn."""
+        with self.cond:
+            newest, snapshot = self.newest, self.snapshots.get(self.newest)
+        if snapshot is not None:
+            self._load(newest, snapshot)
+        return self.loaded
+
+    # ------------------------------------------------------------------ threads
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the trainer, raised by take()
+                with self.cond:
+                    self.error = e
+                    self.cond.notify_all()
+
+        return run
+
+    def _generate(self) -> None:
+        for j in range(self.first, self.total):
+            waited = time.perf_counter()
+            with self.cond:
+                while not self.stopping:
+                    ready = self.needed(j) in self.snapshots if self.fixed else self.newest >= j - self.k
+                    if ready and (not self.reward_dependent or self.scored >= j):
+                        break
+                    self.cond.wait(timeout=1.0)
+                if self.stopping:
+                    return
+                version = self.needed(j) if self.fixed else self.newest
+                snapshot = self.snapshots[version]
+                self.waited[j] = time.perf_counter() - waited
+                self.sampler_before[j] = self.sampler.state_dict()
+                self.started = j + 1
+                self._prune()
+            self._load(version, snapshot)
+            pending = self.collector.start(j, version)
+            with self.cond:
+                self.queue.append(pending)
+                self.cond.notify_all()
+
+    def _score(self) -> None:
+        for j in range(self.first, self.total):
+            with self.cond:
+                while not self.queue and not self.stopping:
+                    self.cond.wait(timeout=1.0)
+                if self.stopping:
+                    return
+                pending = self.queue.popleft()
+            batch = self.collector.finish(pending)
+            with self.cond:
+                self.ready[j] = batch
+                self.scored = j + 1
+                self.cond.notify_all()

@@ -1,0 +1,203 @@
+"""Asynchronous training (rollout.max_staleness = k): generation runs ahead of the update on a
+thread of its own. Fixed lag: step s trains on the rollout of weights max(0, s - k), whatever
+the timing, so two runs are the same run and a killed run resumes exactly; newest: batches and
+an agent's later turns take the newest weights; either way no batch is staler than k; the
+update corrects with the behaviour policy's log-probs; a slow judge no longer holds generation
+up; a tiny model still learns."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import A_FRACTION, LOWER_FRACTION, tiny_model_dir, write_run_config
+
+from grouprl.config import load_config
+from grouprl.errors import ConfigError
+from grouprl.trainer.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def metrics_of(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "actor/pg_loss" in line]
+
+
+def rollouts_of(run):
+    return [
+        (r["step"], r["uid"], r["sample"], r["response"], r["reward"], r["version"], round(r["advantage"], 6))
+        for r in map(json.loads, (run / "rollouts.jsonl").read_text().splitlines())
+    ]
+
+
+COMMON = ["data.val_files=[]", "trainer.save_final=true", "trainer.save_best=false", "actor.dtype=float32"]
+
+
+def test_fixed_lag_trains_step_s_on_the_weights_of_step_s_minus_k(tmp_path, model_dir):
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    for name in ("a", "b"):
+        Trainer(
+            load_config(config, [*COMMON, "rollout.max_staleness=2", "trainer.total_steps=5", f"trainer.experiment_name={name}"])
+        ).fit()
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    steps = metrics_of(a)
+    assert [m["rollout/policy_version"] for m in steps] == [0, 0, 0, 1, 2]
+    assert [m["rollout/staleness_max"] for m in steps] == [0, 1, 2, 2, 2]
+    assert all(m["rollout/staleness_mean"] == m["rollout/staleness_max"] for m in steps)
+    assert {r[5] for r in rollouts_of(a) if r[0] == 4} == {1}  # rollouts.jsonl: each trajectory's version
+    # the behaviour policy is not the update's: its log-probs are recorded and correct the loss
+    assert all("rollout/is_mean" in m for m in steps)
+    assert max(m["rollout/mismatch_max"] for m in steps[1:]) > 1e-3  # older weights sampled them
+    # the schedule does not depend on timing: a second run is the same run
+    assert rollouts_of(b) == rollouts_of(a)
+    wa, wb = (load_file(str(run / "final" / "model.safetensors")) for run in (a, b))
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_no_staleness_is_the_synchronous_loop(tmp_path, model_dir):
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    trainer = Trainer(load_config(config, [*COMMON, "trainer.total_steps=2"]))
+    assert trainer.parts.ahead is None
+    trainer.fit()
+    assert all("rollout/staleness_max" not in m for m in metrics_of(tmp_path / "runs" / "run"))
+
+
+def test_a_tiny_model_learns_one_step_off_policy(tmp_path, model_dir):
+    config = write_run_config(tmp_path, model_dir, reward=A_FRACTION)
+    overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=12", "actor.optim.lr=3e-2", "rollout.n_agent=8"]
+    Trainer(load_config(config, overrides)).fit()
+    rewards = [m["reward/mean"] for m in metrics_of(tmp_path / "runs" / "run")]
+    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 0.2, rewards
+
+
+def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
+    config = write_run_config(tmp_path, model_dir)
+    with pytest.raises(ConfigError, match="'rollout.max_staleness' must be >= 0"):
+        load_config(config, ["rollout.max_staleness=-1"])
+    with pytest.raises(ConfigError, match="'rollout.sleep_level' must be 0 with rollout.max_staleness > 0"):
+        load_config(config, ["rollout.max_staleness=1", "rollout.engine=vllm", "rollout.sleep_level=2"])
+    with pytest.raises(ConfigError, match="must be 0 with model.quantization=4bit"):
+        load_config(config, ["rollout.max_staleness=1", "model.quantization=4bit"])
+
+
+def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_dir, monkeypatch):
+    """A judge that takes 0.4 s a call. Synchronously a batch is drawn only once the previous
+    one's judge calls have all come back: no two batches are ever in flight (started, not yet
+    scored) together. One step off policy (fixed lag 1) batches 0 and 1 both sample from the
+    starting weights and 2 and 3 from the first two updates', so each pair is generated and
+    judged together: half the judge waits leave the critical path."""
+    from grouprl.trainer.step import Collector
+    from rewards.judges.fake_server import FakeJudgeServer
+
+    events = []
+    start, finish = Collector.start, Collector.finish
+
+    def timed_start(self, step, version=None):
+        events.append(("start", step, time.perf_counter()))
+        return start(self, step, version)
+
+    def timed_finish(self, pending):
+        batch = finish(self, pending)
+        events.append(("scored", pending.batch.step, time.perf_counter()))
+        return batch
+
+    monkeypatch.setattr(Collector, "start", timed_start)
+    monkeypatch.setattr(Collector, "finish", timed_finish)
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    with FakeJudgeServer(latency=0.4).start() as server:
+        judge = [
+            f"reward.judges=[{{name: j, model: fake, base_url: '{server.base_url}', cache_path: '', "
+            "fields: {correctness: 1.0}, scale: 9}]",
+            "reward.components=[{name: judge, function: 'judge:j'}]",
+            "reward.val_metric=judge",
+        ]
+        for k in (0, 1):
+            events.clear()
+            overrides = [*COMMON, *judge, f"rollout.max_staleness={k}", "trainer.total_steps=4", f"trainer.experiment_name=k{k}"]
+            Trainer(load_config(config, overrides)).fit()
+            at = {(kind, step): t for kind, step, t in events}
+            together = [at[("start", j + 1)] < at[("scored", j)] for j in range(3)]  # j and j+1 in flight
+            assert together == ([False] * 3 if k == 0 else [True, together[1], True]), (k, events)
+
+
+def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model_dir):
+    """kill -9 while batches generated ahead are in flight (a checkpoint every step): the resumed
+    run makes them again from the weights the checkpoint kept, and ends as the run never killed
+    did: the same rollouts, metrics and weights."""
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    settings = [*COMMON, "rollout.max_staleness=2", "trainer.total_steps=6", "trainer.save_freq=1", "trainer.keep_last=10"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def command(name):
+        return [sys.executable, "-m", "grouprl", "train", str(config), *settings, f"trainer.experiment_name={name}"]
+
+    whole = subprocess.run(command("whole"), env=env, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run = tmp_path / "runs" / "killed"
+    proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "step_3" / "manifest.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its third checkpoint"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "final").exists()
+    resumed = subprocess.run(command("killed"), env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    state = json.loads((run / "checkpoints" / "step_3" / "trainer.json").read_text())
+    assert sorted(state["ahead_weights"]) == ["1", "2"]  # the versions batches 3 and 4 sample from
+    assert rollouts_of(run) == rollouts_of(tmp_path / "runs" / "whole")
+    drop = ("time/", "perf/")
+    keep = lambda m: {k: v for k, v in m.items() if not k.startswith(drop)}  # noqa: E731
+    assert [keep(m) for m in metrics_of(run)] == [keep(m) for m in metrics_of(tmp_path / "runs" / "whole")]
+    wa, wb = (load_file(str(r / "final" / "model.safetensors")) for r in (run, tmp_path / "runs" / "whole"))
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, index_dir, monkeypatch):
+    """async_schedule=newest with the agent loop: a version the update publishes while a batch's
+    agents are between turns is taken by their next turn (a partial rollout), each turn records
+    the version it sampled from, and the trajectory's version is its first turn's."""
+    from grouprl.trainer.pipeline import RolloutPipeline
+
+    between = RolloutPipeline._between_turns
+    waited, turns = [], {}
+
+    def wait_for_a_newer_version(self):
+        """Before the third batch's second turn, wait (a little) for the update to publish a version."""
+        turns[self.started] = turns.get(self.started, 0) + 1  # `started`: one past the running batch
+        if self.started == 3 and turns[3] == 2:
+            deadline = time.monotonic() + 30
+            with self.cond:
+                while self.newest <= self.loaded and time.monotonic() < deadline:
+                    self.cond.wait(timeout=0.1)
+            waited.append(self.newest)
+        return between(self)
+
+    monkeypatch.setattr(RolloutPipeline, "_between_turns", wait_for_a_newer_version)
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    overrides = [
+        "agent.enabled=true", f"agent.retriever.index={index_dir}", "agent.max_turns=2", "agent.answer_generator=none",
+        "rollout.max_response_length=8", "data.max_prompt_length=2048", *COMMON, "trainer.save_final=false",
+        "rollout.max_staleness=1", "rollout.async_schedule=newest", "trainer.total_steps=4",
+    ]  # fmt: skip
+    Trainer(load_config(config, overrides)).fit()
+    records = [json.loads(line) for line in (tmp_path / "runs" / "run" / "rollouts.jsonl").read_text().splitlines()]
+    partial = [r for r in records if len({t["version"] for t in r["turns"]}) > 1]
+    assert waited and partial, (waited, sorted({(r["step"], tuple(t.get("version") for t in r["turns"])) for r in records}))
+    for r in partial:
+        versions = [t["version"] for t in r["turns"]]
+        assert versions == sorted(versions) and r["version"] == versions[0]
+    for m in metrics_of(tmp_path / "runs" / "run"):
+        assert m["rollout/staleness_max"] <= 1
