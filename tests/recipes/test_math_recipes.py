@@ -24,6 +24,7 @@ SMALL = [
     "trainer.test_freq=0",
     "trainer.save_freq=0",
     "trainer.save_final=false",
+    "trainer.save_best=false",  # a whole SmolLM2 written at each better evaluation: the on-premise test asks for it
     "trainer.val_before_train=false",
     "actor.dtype=float32",
 ]
@@ -81,7 +82,7 @@ def test_on_premise_judge_recipe_logs_every_grade_and_keeps_the_best(tmp_path, m
     tree["reward"]["judges"][0]["max_retries"] = 0  # the stand-in's grades seldom parse: no second tries
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tree))
-    run_dir, steps = run(recipe, tmp_path, "rollout.max_response_length=40")  # best/ from the final evaluation
+    run_dir, steps = run(recipe, tmp_path, "rollout.max_response_length=40", "trainer.save_best=true")  # best/: the final evaluation
     assert len(steps) == 2 and "reward/reasoning" in steps[-1]
     log = [json.loads(line) for line in (run_dir / "judge.jsonl").read_text().splitlines()]
     assert log and all("raw" in e and e["prompt"]["user"] for e in log)  # what it was asked, what it said

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -56,6 +57,8 @@ def test_fixed_lag_trains_step_s_on_the_weights_of_step_s_minus_k(tmp_path, mode
     # the behaviour policy is not the update's: its log-probs are recorded and correct the loss
     assert all("rollout/is_mean" in m for m in steps)
     assert max(m["rollout/mismatch_max"] for m in steps[1:]) > 1e-3  # older weights sampled them
+    assert all(abs(m["rollout/is_mean"] - 1) > 1e-5 for m in steps[2:])  # weights away from 1 reach the loss
+    assert all(m["rollout/mismatch_max"] < 1e-4 for m in steps[:1])  # step 1: the very weights that sampled it
     # the schedule does not depend on timing: a second run is the same run
     assert rollouts_of(b) == rollouts_of(a)
     wa, wb = (load_file(str(run / "final" / "model.safetensors")) for run in (a, b))
@@ -90,11 +93,12 @@ def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
 
 
 def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_dir, monkeypatch):
-    """A judge that takes 0.4 s a call. Synchronously a batch is drawn only once the previous
+    """A judge that takes 0.8 s a call. Synchronously a batch is drawn only once the previous
     one's judge calls have all come back: no two batches are ever in flight (started, not yet
     scored) together. One step off policy (fixed lag 1) batches 0 and 1 both sample from the
     starting weights and 2 and 3 from the first two updates', so each pair is generated and
-    judged together: half the judge waits leave the critical path."""
+    judged together: half the judge waits leave the critical path. (Batch 3 starts once the second
+    update is done, which takes far less than generating batch 2 and its 0.8 s judge wait.)"""
     from grouprl.trainer.step import Collector
     from rewards.judges.fake_server import FakeJudgeServer
 
@@ -113,7 +117,7 @@ def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_d
     monkeypatch.setattr(Collector, "start", timed_start)
     monkeypatch.setattr(Collector, "finish", timed_finish)
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
-    with FakeJudgeServer(latency=0.4).start() as server:
+    with FakeJudgeServer(latency=0.8).start() as server:
         judge = [
             f"reward.judges=[{{name: j, model: fake, base_url: '{server.base_url}', cache_path: '', "
             "fields: {correctness: 1.0}, scale: 9}]",
@@ -201,3 +205,53 @@ def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, in
         assert versions == sorted(versions) and r["version"] == versions[0]
     for m in metrics_of(tmp_path / "runs" / "run"):
         assert m["rollout/staleness_max"] <= 1
+
+
+def test_a_synchronous_checkpoint_resumes_asynchronously_from_its_own_weights(tmp_path, model_dir, caplog):
+    """No weights of older versions in the checkpoint (a synchronous run's): the first batches
+    sample from the resumed weights, with a line saying so, and the lag builds up again."""
+    import logging
+
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    Trainer(load_config(config, [*COMMON, "trainer.total_steps=2"])).fit()
+    caplog.set_level(logging.WARNING)
+    Trainer(load_config(config, [*COMMON, "trainer.total_steps=5", "rollout.max_staleness=2"])).fit()
+    assert any("holds no weights of version(s) 0, 1" in r.getMessage() for r in caplog.records)
+    steps = metrics_of(tmp_path / "runs" / "run")
+    assert [m["rollout/policy_version"] for m in steps[2:]] == [2, 2, 2]  # steps 3, 4, 5: batches 2, 3, 4
+
+
+def test_a_judge_that_stops_answering_stops_an_asynchronous_run_saved(tmp_path, model_dir):
+    """The scorer thread's JudgeUnavailableError reaches the trainer (no hang): the run saves the
+    steps done and stops with the judge's line."""
+    from grouprl.rewards.composite import JudgeUnavailableError
+    from rewards.judges.fake_server import FakeJudgeServer, Reply
+
+    down = threading.Event()
+
+    def behaviour(call):
+        return Reply(kind="status", status=503, body="overloaded") if down.is_set() else Reply()
+
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    with FakeJudgeServer(behaviour=behaviour).start() as server:
+        overrides = [
+            *COMMON, "rollout.max_staleness=1", "trainer.total_steps=6",
+            f"reward.judges=[{{name: j, model: fake, base_url: '{server.base_url}', cache_path: '', "
+            "fields: {correctness: 1.0}, scale: 9, max_retries: 0}]",
+            "reward.components=[{name: judge, function: 'judge:j'}]", "reward.val_metric=judge",
+        ]  # fmt: skip
+        trainer = Trainer(load_config(config, overrides))
+        step = trainer.train_step
+
+        def step_then_the_judge_goes_down():
+            out = step()
+            if trainer.step == 2:
+                down.set()
+            return out
+
+        trainer.train_step = step_then_the_judge_goes_down
+        started = time.monotonic()
+        with pytest.raises(JudgeUnavailableError, match="judge 'j' failed") as stopped:
+            trainer.fit()
+    assert time.monotonic() - started < 120
+    assert "saved" in str(stopped.value) and 2 <= trainer.step < 6

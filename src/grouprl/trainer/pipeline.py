@@ -19,7 +19,7 @@ Either way no batch is more than k versions older than the update that trains on
 waits for the weights it needs (`time/wait_weights`), never trains anything staler.
 
 Published versions are snapshots of the trainable weights (a LoRA run's adapters only), kept
-while a batch still to start needs them (fixed_lag: k of them at most; newest: the newest).
+while a batch not yet learned needs them (fixed_lag: k + 1 at most; newest: the newest).
 With a reward-dependent sampler (the online curriculum) batch j is drawn only after batch j-1's
 rewards taught the tracker, so draws stay deterministic; generation then waits for the judge.
 """
@@ -64,7 +64,9 @@ class RolloutPipeline:
         self.copy, self.engine = ahead.model, ahead.engine
         self.names = trainable_names(parts.model)
         generation = dataclasses.replace(parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn)
-        self.collector = Collector(cfg, generation)
+        # batches overlap: one's judge calls are still out when the next starts, so a batch's
+        # start does not reset the judges' tallies (each check counts the calls since the last)
+        self.collector = Collector(cfg, generation, judge_tallies_per_batch=False)
         self.sampler = parts.sampler
         self.reward_dependent = isinstance(parts.sampler, OnlineCurriculum)
         if ahead.agent is not None and not self.fixed:  # partial rollouts: newer weights between turns
@@ -72,6 +74,19 @@ class RolloutPipeline:
         self.first, self.total = first_step, total_steps
         self.cond = threading.Condition()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = dict(snapshots or {})
+        # fixed_lag: the oldest version a batch may take. A resumed run whose checkpoint has no
+        # weights for the versions its first batches would sample from (a synchronous run's, a
+        # newest run's, or one made with a smaller k) starts the lag afresh from its own weights
+        self.floor = 0
+        wanted = {max(0, j - self.k) for j in range(first_step, min(first_step + self.k, total_steps))}
+        missing = sorted(v for v in wanted if v < first_step and v not in self.snapshots)
+        if self.fixed and missing:
+            log.warning(
+                "the checkpoint holds no weights of version(s) %s, which batches %d.. would sample from "
+                "(rollout.max_staleness=%d): they sample from the resumed weights (version %d) instead",
+                ", ".join(map(str, missing)), first_step, self.k, first_step,
+            )  # fmt: skip
+            self.floor = first_step
         self.newest = max(self.snapshots, default=-1)
         self.loaded: int | None = None  # the version the copy holds
         self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its draw
@@ -144,17 +159,18 @@ class RolloutPipeline:
         return {"sampler": sampler, "weights": weights}
 
     def close(self) -> None:
+        """Stop after the batch each thread is on (daemon threads: nothing waits for them long)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
-                thread.join(timeout=60)
+                thread.join(timeout=10)
 
     # ------------------------------------------------------------------ schedule
     def needed(self, step: int) -> int:
         """fixed_lag: the version batch `step` samples from."""
-        return max(0, step - self.k)
+        return max(self.floor, step - self.k)
 
     def _prune(self) -> None:
         """Keep the snapshots a batch not yet learned may need (fixed_lag: to start it, or to
@@ -220,6 +236,8 @@ class RolloutPipeline:
             self._load(version, snapshot)
             pending = self.collector.start(j, version)
             with self.cond:
+                if self.stopping:
+                    return
                 self.queue.append(pending)
                 self.cond.notify_all()
 

@@ -96,6 +96,7 @@ class Pending:
     """A step's batch between Collector.start and Collector.finish: generated, maybe not scored."""
 
     batch: StepBatch
+    epoch: float = 0.0  # the sampler's epoch at the draw
     generated: Generated | None = None
     done: bool = False  # scored and settled (dynamic filtering does it all in start)
 
@@ -120,9 +121,12 @@ def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
 class Collector:
     """Draws a step's prompts, rolls them out (single-turn or agent) and scores them."""
 
-    def __init__(self, cfg: Config, parts):
-        """`parts`: setup.Parts (sampler, prompts, engine, rollout, rewards, ranks, ...)."""
+    def __init__(self, cfg: Config, parts, judge_tallies_per_batch: bool = True):
+        """`parts`: setup.Parts (sampler, prompts, engine, rollout, rewards, ranks, ...);
+        `judge_tallies_per_batch`: a batch's start resets the judges' tallies (the calls of an
+        evaluation before it are not its own); off where batches overlap."""
         self.cfg, self.p = cfg, parts
+        self.judge_tallies_per_batch = judge_tallies_per_batch
         self.ranks = parts.ranks
         self.runner = parts.agent if parts.agent is not None else parts.single_turn
         self._calls = 0  # rollouts of the current step (a refill draws new streams)
@@ -212,15 +216,17 @@ class Collector:
         p = self.p
         started = time.perf_counter()
         pushed = getattr(p.engine, "push_seconds", None)  # an engine with its own copy of the weights
-        p.reward.judge_report()  # an evaluation's judge calls are not this step's
+        if self.judge_tallies_per_batch:
+            p.reward.judge_report()  # an evaluation's judge calls are not this step's
         out = StepBatch(step=step, version=step if version is None else version, samples=[], prompts=[],
                         trajectories=[], groups=[], started=started, pushed_before=pushed)  # fmt: skip
         samples, prompts = self.next_prompts()  # the whole step's, the same on every rank
+        epoch = float(p.sampler.epoch)  # the draw's (later batches may be drawn already when it is scored)
         # this rank's whole groups: its part of every mini-batch, so that each optimizer step
         # sees the groups it sees in one process
         mine = self.ranks.share(len(samples), block=self.cfg.actor.mini_batch_size or len(samples))
         out.samples, out.prompts, out.groups = [samples[g] for g in mine], [prompts[g] for g in mine], mine
-        pending = Pending(out)
+        pending = Pending(out, epoch=epoch)
         with rollout_phase(p.engine):
             pending.generated = self._generate(out.samples, out.prompts, mine, out.version)
             if isinstance(p.sampler, OnlineCurriculum) and self.cfg.curriculum.dynamic_filter:
@@ -236,7 +242,7 @@ class Collector:
         batch.metrics.update(
             {
                 **self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
-                "train/epoch": float(self.p.sampler.epoch),
+                "train/epoch": pending.epoch,
                 **self.p.prompt_stats,
             }
         )

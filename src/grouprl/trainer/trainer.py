@@ -194,6 +194,7 @@ class Trainer:
             self.cfg, self.parts, self.step, self.total_steps, snapshots=self._ahead_weights
         )
         self.pipeline.start(self.step, self.model)
+        self._ahead_weights = {}  # the pipeline holds them now
         self._step_clock = time.perf_counter()
 
     def close_pipeline(self) -> None:
