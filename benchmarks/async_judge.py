@@ -2,7 +2,7 @@
 held-out accuracy after the same number of samples synchronously and one step off policy.
 
     .venv/bin/python benchmarks/async_judge.py --latency 5 --steps 6 --rounds 2     # step time
-    .venv/bin/python benchmarks/async_judge.py --learn --steps 20                    # accuracy
+    .venv/bin/python benchmarks/async_judge.py --learn --steps 20 --seeds 42 1 2     # accuracy
 
 Step time: the default recipe (SmolLM2-135M-Instruct, arithmetic, 4 prompts x 8 samples) with a
 judge component (weight 0.5) served by the fake OpenAI-compatible judge in its own process on
@@ -13,7 +13,8 @@ Printed per k: median step time (steps after the first), the update's wait for i
 / latency, the share of one judge wait per step that no longer holds a step up.
 
 `--learn`: no judge; the default recipe for `--steps` steps with k = 0 and k = 1 (fixed lag,
-the same seed), held-out accuracy on 128 prompts before and after, with its standard error.
+the same seed; each of `--seeds`), held-out accuracy on 128 prompts before and after, with its
+standard error.
 """
 
 from __future__ import annotations
@@ -83,17 +84,23 @@ def step_time(args) -> None:
 
 
 def learn(args) -> None:
-    overrides = [f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "data.task_val_size=128"]
+    finals: dict[int, list[float]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory(prefix="async-learn-") as tmp:
-        for k in (0, 1):
-            records = run(k, overrides, Path(tmp), f"k{k}")
-            evals = [m["val/accuracy"] for m in records if "val/accuracy" in m]
-            before, after = evals[0], evals[-1]
-            se = math.sqrt(after * (1 - after) / 128)
-            steps = [m for m in records if "time/step" in m]
-            stale = statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in steps)
-            print(f"k={k}: held-out accuracy {before:.3f} -> {after:.3f} (+-{se:.3f}) after {len(steps)} steps "
-                  f"x 32 samples; mean staleness {stale:.2f}", flush=True)  # fmt: skip
+        for seed in args.seeds:
+            overrides = [f"trainer.total_steps={args.steps}", "trainer.test_freq=0", "data.task_val_size=128",
+                         f"trainer.seed={seed}"]  # fmt: skip
+            for k in (0, 1):
+                records = run(k, overrides, Path(tmp), f"k{k}-s{seed}")
+                evals = [m["val/accuracy"] for m in records if "val/accuracy" in m]
+                before, after = evals[0], evals[-1]
+                finals[k].append(after)
+                se = math.sqrt(after * (1 - after) / 128)
+                steps = [m for m in records if "time/step" in m]
+                stale = statistics.fmean(m.get("rollout/staleness_mean", 0.0) for m in steps)
+                print(f"seed {seed} k={k}: held-out accuracy {before:.3f} -> {after:.3f} (+-{se:.3f}) after "
+                      f"{len(steps)} steps x 32 samples; mean staleness {stale:.2f}", flush=True)  # fmt: skip
+    for k, values in finals.items():
+        print(f"k={k}: mean final accuracy {statistics.fmean(values):.3f} over seeds {args.seeds}")
 
 
 def main() -> None:
@@ -102,6 +109,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--learn", action="store_true")
+    p.add_argument("--seeds", type=int, nargs="+", default=[42], help="--learn: trainer seeds (the recipe's is 42)")
     args = p.parse_args()
     learn(args) if args.learn else step_time(args)
 

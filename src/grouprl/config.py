@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -888,8 +889,10 @@ VERL_KEYS: dict[str, str] = {
 # --------------------------------------------------------------------------------------
 # Field docs (attribute docstrings), for --explain and error messages
 # --------------------------------------------------------------------------------------
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a dataclass to the docstring written under it."""
+    """Map each field of a dataclass to the docstring written under it (read once per class:
+    finding a class's source scans its module; do not change the dict returned)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

@@ -96,6 +96,7 @@ class RolloutPipeline:
         self.queue: collections.deque = collections.deque()  # started, not yet scored (Pending)
         self.ready: dict[int, StepBatch] = {}
         self.waited: dict[int, float] = {}  # step -> seconds generation waited for weights
+        self.loading: dict[int, float] = {}  # step -> seconds its weights took into the copy (vLLM: the push)
         self.error: BaseException | None = None
         self.stopping = False
         self.threads = [
@@ -131,6 +132,7 @@ class RolloutPipeline:
                 raise self.error
             batch = self.ready.pop(step)
             waited = self.waited.pop(step, 0.0)
+            loading = self.loading.pop(step, 0.0)
         trajectories = batch.real
         ages = [step - (t.version if t.version is not None else batch.version) for t in trajectories]
         turn_versions = [turn["version"] for t in trajectories for turn in t.turns if "version" in turn]
@@ -140,6 +142,7 @@ class RolloutPipeline:
                 "rollout/staleness_max": float(max(ages, default=0)),
                 "rollout/policy_version": float(batch.version),
                 "time/wait_weights": waited,
+                "time/weight_push": loading,
             }
         )
         if turn_versions:  # partial rollouts: turns that took newer weights than their first
@@ -233,7 +236,9 @@ class RolloutPipeline:
                 self.sampler_before[j] = self.sampler.state_dict()
                 self.started = j + 1
                 self._prune()
+            loading = time.perf_counter()
             self._load(version, snapshot)
+            self.loading[j] = time.perf_counter() - loading
             pending = self.collector.start(j, version)
             with self.cond:
                 if self.stopping:

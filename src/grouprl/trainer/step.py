@@ -473,7 +473,9 @@ class Learner:
         t_synced = time.perf_counter()
         self.updating = False
         metrics["time/weight_sync"] = t_synced - t_update
-        if batch.pushed_before is not None:  # pushes, wherever they ran (a sleeping engine pushes when it wakes)
+        # pushes, wherever they ran (a sleeping engine pushes when it wakes); asynchronous runs
+        # push on the generation side, between batches (the pipeline reports them)
+        if batch.pushed_before is not None and hasattr(p.engine, "push_seconds"):
             metrics["time/weight_push"] = p.engine.push_seconds - batch.pushed_before
             metrics["perf/engine_freed_gb"] = getattr(p.engine, "last_sleep_freed_bytes", 0) / 1024**3
 
