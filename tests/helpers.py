@@ -215,3 +215,38 @@ def weighted_loss_and_grads(model, ids, context):
         loss = (logits.log_softmax(-1) * weights).sum()
         grads = torch.autograd.grad(loss, params)
     return yielded, loss.detach(), grads
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 free right now (for a test's server or a torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ranks: int, *args: str, script: str | None = None) -> list[str]:
+    """The command that runs `grouprl *args` (or the Python `script` with those arguments) in one
+    process, or in `ranks` processes under torchrun on 127.0.0.1."""
+    import sys
+
+    target = [script] if script else ["-m", "grouprl"]
+    if ranks == 1:
+        return [sys.executable, *target, *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", *target, *args,
+    ]  # fmt: skip
+
+
+def run_grouprl(ranks: int, *args: str, timeout: float = 600, **kwargs):
+    """`launch(ranks, *args, **kwargs)` with one torch thread per process; its CompletedProcess,
+    asserted successful (the output's end in the message otherwise)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(launch(ranks, *args, **kwargs), env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done

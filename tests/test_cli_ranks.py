@@ -5,17 +5,14 @@ failed ranks (its ChildFailedError, status 1) whatever they exit with: that part
 
 import os
 import re
-import socket
 import subprocess
 import sys
+
+from helpers import free_port
 
 LINE = "grouprl: error: "
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(*command: str, cwd) -> subprocess.CompletedProcess:

@@ -16,7 +16,6 @@ noise), the rewards streamed, and `final/` loading as a VLM.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 
 from grouprl.data.tasks.slides_files import write_slides_task
 from grouprl.retriever.index import build_index
+from helpers import free_port
 from retriever.sample_index import shared_embedder
 from rewards.judges.fake_server import FakeJudgeServer, Reply
 from vision_helpers import VLLM_TEXT, tiny_vlm
@@ -40,10 +40,6 @@ ANSWER_MODEL = "frozen-answerer"
 OBSERVATION_OPENINGS = ("\nuser:",)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def behaviour(call):

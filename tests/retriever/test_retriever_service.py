@@ -3,7 +3,6 @@ the retrieval service itself, and small misbehaving servers (500s, non-JSON, slo
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
@@ -14,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from grouprl.retriever.client import RetrievalClient, RetrievalServiceError
 from grouprl.retriever.index import Retriever
 from grouprl.retriever.service import BackgroundServer, create_app
+from helpers import free_port
 from retriever.sample_index import CountingEmbedder, shared_embedder
 
 
@@ -32,10 +32,6 @@ def post(service, body, **params):
     return httpx.post(f"{service.url}/search", content=content, params=params, timeout=30)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_health(service):

@@ -8,15 +8,13 @@ two optimizer steps per step (mini-batches of 2 groups, one per rank), a sharded
 and held-out prompts split over the ranks."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from tiny import LOWER_FRACTION, tiny_model_dir, write_run_config
+
+from helpers import run_grouprl
 
 pytestmark = pytest.mark.slow
 
@@ -37,24 +35,8 @@ SETTINGS = [
 ADAM_NOISE = 3e-4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(config, ranks: int, *overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if ranks == 1:
-        command = [sys.executable, "-m", "grouprl", "train", str(config)]
-    else:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "grouprl", "train", str(config),
-        ]  # fmt: skip
-    done = subprocess.run([*command, *SETTINGS, *overrides], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    return run_grouprl(ranks, "train", str(config), *SETTINGS, *overrides)
 
 
 def records(run_dir):

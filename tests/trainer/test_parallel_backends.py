@@ -13,7 +13,6 @@ joins itself on CUDA ("cpu:gloo,cuda:nccl", emulated as "cpu:gloo,cuda:gloo") se
 tensors itself. Ray Train is asked for that backend too (`run_on_ray`, with Ray stubbed)."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -23,14 +22,11 @@ from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from grouprl.trainer import parallel
 from grouprl.trainer.parallel import Ranks, process_group_backend, reduce_metrics, serves_cpu
+from helpers import free_port
 
 NO_CPU_BACKEND = "No backend type associated with device type cpu"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_rank(rank: int, port: int, fn, args) -> None:

@@ -9,10 +9,6 @@ A rank whose rows had no image still makes the tower's reductions: the sync pass
 on a blank image, which the test of every trainable weight's zero gradient below covers."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,6 +21,7 @@ from grouprl.trainer.models import load_causal_lm
 from grouprl.trainer.parallel import Ranks, decoder_layers, sync_pass
 from grouprl.trainer.setup import check_parallel
 from grouprl.vision.families import family_class, is_vision_config
+from helpers import run_grouprl
 from vision_helpers import colours, tiny_vlm
 
 WITH_IMAGE = (0, 3, 4, 5)  # rows of the 8 training prompts that keep their image
@@ -53,23 +50,8 @@ BLOCKS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(config, ranks: int, *overrides):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "grouprl", "train", str(config)]
-    if ranks > 1:
-        command[1:3] = [
-            "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "-m", "grouprl",
-        ]  # fmt: skip
-    command += [*SETTINGS, *overrides]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_grouprl(ranks, "train", str(config), *SETTINGS, *overrides)
 
 
 def mixed_run(root, family):

@@ -7,7 +7,6 @@ vLLM environment (`-m vllm`), on the tiny Llama with head size 32 that vLLM's CP
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from tiny import LOWER_FRACTION, write_run_config
 
 from grouprl.rollout.engines.streams import RowStreams
 from grouprl.rollout.engines.vllm import request_seeds
-from helpers import tiny_model_and_tokenizer
+from helpers import free_port, run_grouprl, tiny_model_and_tokenizer
 
 pytestmark = pytest.mark.vllm
 
@@ -41,24 +40,9 @@ SETTINGS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(config, ranks: int, name: str) -> str:
     """A run of `ranks` processes named `name`; its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "grouprl", "train", str(config)]
-    if ranks > 1:
-        command[1:3] = [
-            "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "-m", "grouprl",
-        ]  # fmt: skip
-    command += [*SETTINGS, f"trainer.experiment_name={name}"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_grouprl(ranks, "train", str(config), *SETTINGS, f"trainer.experiment_name={name}")
     return done.stdout + done.stderr
 
 

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_parallel import SETTINGS, assert_same_run, free_port, setup, train  # noqa: F401 (setup: a fixture)
+from test_parallel import SETTINGS, assert_same_run, setup, train  # noqa: F401 (setup: a fixture)
 
 from grouprl.cli import main
 from grouprl.config import load_config
 from grouprl.errors import DataError, UserError
 from grouprl.trainer.launch import _secrets, _user_error, placement
+from helpers import free_port
 from test_cli import no_model_load, one_line_error  # noqa: F401 (no_model_load: a fixture)
 
 

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_parallel import SETTINGS, free_port, records, train
+from test_parallel import SETTINGS, records, train
 from tiny import LOWER_FRACTION, tiny_model_dir, write_reward, write_run_config
 
 import grouprl.trainer.checkpoint as checkpoint_module
@@ -22,6 +22,7 @@ from grouprl.config import load_config
 from grouprl.rewards.composite import JudgeUnavailableError
 from grouprl.trainer.checkpoint import MANIFEST, CheckpointManager, problem
 from grouprl.trainer.trainer import Trainer
+from helpers import free_port
 from rewards.judges.fake_server import FakeJudgeServer, Reply
 
 
@@ -147,34 +148,47 @@ def judge_settings(server, **more):
     return [f"reward.judges=[{{{', '.join(f'{k}: {v}' for k, v in judge.items())}}}]"]
 
 
+def overloaded_while(down: threading.Event):
+    """A judge behaviour: 503 while `down` is set, else the default answer."""
+    return lambda call: Reply(kind="status", status=503, body="overloaded") if down.is_set() else Reply()
+
+
+def judge_and_lower(tmp_path, server) -> list[str]:
+    """Components: the judge on `server` and a rule reward (the held-out metric)."""
+    lower = write_reward(tmp_path / "lower.py", LOWER_FRACTION, "lower")
+    return [
+        *judge_settings(server),
+        f"reward.components=[{{name: judge, function: 'judge:test'}}, {{name: lower, function: '{lower}'}}]",
+        "reward.val_metric=lower",
+    ]
+
+
+def down_after_the_next_step(trainer, down: threading.Event) -> None:
+    """The judge stops answering once the trainer's next step is done."""
+    step = trainer.train_step
+
+    def step_then_the_judge_goes_down():
+        out = step()
+        down.set()
+        return out
+
+    trainer.train_step = step_then_the_judge_goes_down
+
+
 def test_a_judge_that_stops_answering_stops_the_run_saved_and_it_resumes(tmp_path, model_dir):
     down = threading.Event()
-
-    def behaviour(call):
-        return Reply(kind="status", status=503, body="overloaded") if down.is_set() else Reply()
-
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
-    lower = write_reward(tmp_path / "lower.py", LOWER_FRACTION, "lower")
-    with FakeJudgeServer(behaviour=behaviour).start() as server:
+    with FakeJudgeServer(behaviour=overloaded_while(down)).start() as server:
         settings = [
             "data.sampler=sequential",
             "data.val_files=[]",
             "trainer.total_steps=3",
             "trainer.save_final=false",
-            *judge_settings(server),
-            f"reward.components=[{{name: judge, function: 'judge:test'}}, {{name: lower, function: '{lower}'}}]",
-            "reward.val_metric=lower",
+            *judge_and_lower(tmp_path, server),
         ]
         Trainer(load_config(config, [*settings, "trainer.experiment_name=whole"])).fit()
         first = Trainer(load_config(config, settings))
-        step = first.train_step
-
-        def step_then_the_judge_goes_down():
-            out = step()
-            down.set()
-            return out
-
-        first.train_step = step_then_the_judge_goes_down
+        down_after_the_next_step(first, down)
         with pytest.raises(JudgeUnavailableError) as stopped:
             first.fit()
         requests_when_stopped = server.requests
@@ -198,31 +212,17 @@ def test_a_judge_down_at_an_evaluation_stops_the_run_saved(tmp_path, model_dir):
     """Held-out figures from fallback scores are no figures: the limits hold for evaluations too,
     and the steps trained before it are saved."""
     down = threading.Event()
-
-    def behaviour(call):
-        return Reply(kind="status", status=503, body="overloaded") if down.is_set() else Reply()
-
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
-    lower = write_reward(tmp_path / "lower.py", LOWER_FRACTION, "lower")
-    with FakeJudgeServer(behaviour=behaviour).start() as server:
+    with FakeJudgeServer(behaviour=overloaded_while(down)).start() as server:
         settings = [
             "trainer.total_steps=2",
             "trainer.test_freq=1",
             "trainer.val_before_train=false",
             "trainer.save_final=false",
-            *judge_settings(server),
-            f"reward.components=[{{name: judge, function: 'judge:test'}}, {{name: lower, function: '{lower}'}}]",
-            "reward.val_metric=lower",
+            *judge_and_lower(tmp_path, server),
         ]
         trainer = Trainer(load_config(config, settings))
-        step = trainer.train_step
-
-        def step_then_the_judge_goes_down():
-            out = step()
-            down.set()
-            return out
-
-        trainer.train_step = step_then_the_judge_goes_down
+        down_after_the_next_step(trainer, down)
         with pytest.raises(JudgeUnavailableError) as stopped:
             trainer.fit()
     saved = tmp_path / "runs" / "run" / "checkpoints" / "step_1"

@@ -5,7 +5,6 @@ every tensor equals what one process streams from the same model whole (LoRA mer
 weights once), with one module unsharded at each tensor and every shard back in place after."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,13 +13,7 @@ import torch.multiprocessing as mp
 
 from grouprl.rollout.engines.vllm import merged_state, sharded_state
 from grouprl.trainer.parallel import decoder_layers, gathered, shard
-from helpers import tiny_model_and_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port, tiny_model_and_tokenizer
 
 
 def _as_rank(rank: int, port: int, fn, args) -> None:

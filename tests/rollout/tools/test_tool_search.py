@@ -4,7 +4,6 @@
 import asyncio
 import json
 import shutil
-import socket
 
 import pytest
 from fastapi import FastAPI, Request
@@ -16,6 +15,7 @@ from grouprl.retriever.index import Retriever, build_index
 from grouprl.retriever.service import BackgroundServer, create_app
 from grouprl.rollout.tools.base import AgentState
 from grouprl.rollout.tools.search import SearchTool, SearchUnavailableError
+from helpers import free_port
 from retriever.sample_index import CountingEmbedder, shared_embedder
 
 
@@ -28,10 +28,6 @@ def call(tool, query, state=None):
     return asyncio.run(tool(query, state)), state
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_observation_lists_the_hits_and_records_them(tool_retriever):
