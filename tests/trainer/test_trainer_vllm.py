@@ -162,7 +162,7 @@ def test_one_step_off_policy_on_vllm_is_deterministic_and_pushes_between_batches
     """rollout.max_staleness=1 with vLLM generating: the generation side pushes each version it
     needs into vLLM between batches (the trainer's own weights serve evaluation), batches follow
     the fixed lag, and two runs are the same run."""
-    runs = []
+    runs, trainers = [], []  # both kept: an in-process engine's teardown ends the groups every engine uses
     for name in ("a", "b"):
         trainer = trainer_for(
             tmp_path, model_dir, "rollout.max_staleness=1", "rollout.sleep_level=0", "trainer.total_steps=4",
@@ -171,6 +171,7 @@ def test_one_step_off_policy_on_vllm_is_deterministic_and_pushes_between_batches
         assert trainer.parts.ahead.engine is not trainer.engine and type(trainer.engine).__name__ == "HFEngine"
         trainer.fit()
         runs.append(tmp_path / "runs" / name)
+        trainers.append(trainer)
     steps = [m for m in read_jsonl(runs[0] / "metrics.jsonl") if "actor/pg_loss" in m]
     assert [m["rollout/policy_version"] for m in steps] == [0, 0, 1, 2]
     assert [m["time/weight_push"] > 1e-3 for m in steps] == [True, False, True, True]  # version 0 twice: one push
