@@ -169,14 +169,21 @@ def describe_rollout(cfg) -> str:
     r = cfg.rollout
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     ranks = f"on each of the {world} ranks" if world > 1 else "on every rank (one here; torchrun/Ray: one per rank)"
+    ahead = (
+        f"; asynchronous: up to {r.max_staleness} step(s) ahead of the update ({r.async_schedule}), on a thread "
+        "of its own over a whole copy of the policy on each rank"
+        if r.max_staleness
+        else ""
+    )
     if r.engine == "hf":
-        return f"rollout: built-in engine over the trainer's own weights, {ranks}"
+        weights = "a copy of the policy" if r.max_staleness else "the trainer's own weights"
+        return f"rollout: built-in engine over {weights}, {ranks}{ahead}"
     memory = f"KV cache {r.kv_cache_gb:g} GiB" if r.kv_cache_gb else f"{r.gpu_memory_utilization:.0%} of the GPU"
     sleep = {0: "awake throughout", 1: "weights to host memory", 2: "weights and KV cache freed"}[r.sleep_level]
     return (
         f"rollout: vLLM in-process, one engine {ranks}, on that rank's GPU with the whole model (tensor parallel "
         f"{r.tensor_parallel_size}), {memory}; between rollouts (CUDA) sleep level {r.sleep_level}: {sleep}; "
-        f"{'eager' if r.enforce_eager else 'CUDA graphs'}"
+        f"{'eager' if r.enforce_eager else 'CUDA graphs'}{ahead}"
     )
 
 

@@ -97,14 +97,17 @@ def test_lora_with_gradient_checkpointing_on_two_ranks_equals_one(setup):
     assert saved and all("lora_" in k for k in saved if k.startswith("model/"))  # adapters only
 
 
-def test_dynamic_filter_on_two_ranks_equals_one(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_dynamic_filter_on_two_ranks_equals_one(tmp_path, staleness):
     """curriculum.dynamic_filter with refills split over the ranks (7 prompts: 4 + 3) and the
     kept groups shared out again: the same groups kept, samples, rewards and updates as one
-    process. A rare reward makes most groups flat, so every step refills."""
+    process. A rare reward makes most groups flat, so every step refills. One step off policy
+    the refills' collectives run on the rollout thread, between the scorer's."""
     model = tiny_model_dir(tmp_path / "model")
     rare = "float(sum(c.islower() for c in response) / max(len(response), 1) > 0.5)"
     config = write_run_config(tmp_path, model, reward=rare)
     settings = ["data.sampler=curriculum", "curriculum.dynamic_filter=true", "curriculum.max_oversample=2.75"]
+    settings.append(f"rollout.max_staleness={staleness}")
     for ranks in (1, 2):
         train(config, ranks, *settings, f"trainer.experiment_name=filter-{ranks}")
     runs = [tmp_path / "runs" / f"filter-{ranks}" for ranks in (1, 2)]
@@ -171,3 +174,39 @@ def test_saved_on_two_ranks_resumes_on_one_or_two(setup, resume_ranks):
     w_ref, w_got = final_weights(reference), final_weights(root / "runs" / name)
     for n in w_ref:
         torch.testing.assert_close(w_got[n], w_ref[n], rtol=0, atol=ADAM_NOISE)
+
+
+def test_one_step_off_policy_on_two_ranks_equals_one_and_resumes(setup):
+    """rollout.max_staleness=1 (fixed lag): each rank's rollout thread samples from a whole copy
+    of the policy loaded with the weights of step s-1 (gathered from the shards when published),
+    its collectives over a group of its own beside the update's. The run is the one-process
+    asynchronous run; resumed on two ranks from the checkpoint of step 2, whose batch 3 was in
+    flight (sampled from version 1's weights, which the checkpoint keeps), it ends as the
+    uninterrupted one."""
+    import shutil
+
+    root, config = setup
+    settings = ["rollout.max_staleness=1", "trainer.save_freq=1", "trainer.keep_last=5"]
+    runs = {ranks: root / "runs" / f"async-{ranks}" for ranks in (1, 2)}
+    for ranks, run in runs.items():
+        train(config, ranks, *settings, f"trainer.experiment_name={run.name}")
+    assert_same_run(runs[1], runs[2], root / "model")
+    steps = records(runs[2])[0]
+    assert [steps[s]["rollout/policy_version"] for s in (1, 2, 3)] == [0, 0, 1]
+    assert steps[3]["rollout/mismatch_max"] > 1e-3  # sampled by the weights of step 1, learned at step 3
+    # the run killed after its second checkpoint: batch 3 (version 1's weights) was in flight
+    resumed = root / "runs" / "async-2-resumed"
+    shutil.copytree(runs[2], resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_3")
+    shutil.rmtree(resumed / "final")
+    (resumed / "checkpoints" / "latest").write_text("step_2\n")
+    done = train(config, 2, *settings, f"trainer.experiment_name={resumed.name}")
+    assert "resumed from" in done.stderr + done.stdout and "holds no weights" not in done.stderr
+    want_metrics, want = records(runs[2])
+    got_metrics, got = records(resumed)
+    assert got == want
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "rollout/mismatch_max"):
+        assert got_metrics[3][key] == pytest.approx(want_metrics[3][key], rel=1e-4, abs=1e-6), key
+    w_want, w_got = final_weights(runs[2]), final_weights(resumed)
+    for n in w_want:
+        torch.testing.assert_close(w_got[n], w_want[n], rtol=0, atol=ADAM_NOISE)

@@ -213,7 +213,7 @@ class Evaluator:
         batch = self.cfg.rollout.gen_batch_size or 64
         mine = self.ranks.split(len(keep))  # several ranks: each answers its block
         trajectories: list[Trajectory] = []
-        with policy_for_generation(self.cfg, p.policy), rollout_phase(p.engine):
+        with policy_for_generation(p.engine, p.policy), rollout_phase(p.engine):
             for start in range(mine.start, mine.stop, batch):
                 chunk = keep[start : min(start + batch, mine.stop)]
                 trajectories += self.collector.rollout(

@@ -100,6 +100,14 @@ class Ranks:
             dist.barrier(group=self.group)
             dist.destroy_process_group()
 
+    def fork(self) -> Ranks:
+        """The same ranks over a gloo group of their own (every rank calls this, in the same
+        order): a thread whose collectives must not interleave with the ones on this group (the
+        asynchronous rollout's, beside the update's) gathers and reduces over it."""
+        if not self.distributed:
+            return self
+        return Ranks(self.rank, self.world, self.local_rank, False, dist.new_group(backend="gloo"))
+
     def share(self, num: int, what: str = "data.train_batch_size", block: int = 0) -> list[int]:
         """This rank's items (groups) of `num`: of every `block` of them (a mini-batch), its
         contiguous part; `num` and `block` multiples of the world size."""

@@ -22,6 +22,11 @@ Published versions are snapshots of the trainable weights (a LoRA run's adapters
 while a batch not yet learned needs them (fixed_lag: k + 1 at most; newest: the newest).
 With a reward-dependent sampler (the online curriculum) batch j is drawn only after batch j-1's
 rewards taught the tracker, so draws stay deterministic; generation then waits for the judge.
+
+Several ranks: every rank runs the same pipeline on its own groups. The copy is whole on each
+rank (snapshots are gathered from the shards by `publish`, which every rank calls after each
+step), and the threads' collectives go over a group of their own (setup.Ahead.ranks), so they
+never interleave with the update's on the trainer's group.
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ from typing import Any
 import torch
 
 from grouprl.curriculum.online import OnlineCurriculum
+from grouprl.trainer.parallel import full_tensor
 from grouprl.trainer.step import Collector, StepBatch
 
 log = logging.getLogger(__name__)
 
 
 def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the weights an update changes (by name), detached."""
-    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    """Copies of the weights an update changes (by name), detached; several ranks: whole
+    (gathered from the shards: every rank calls this)."""
+    return {name: full_tensor(p.detach()).clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
@@ -63,7 +70,14 @@ class RolloutPipeline:
         ahead = parts.ahead
         self.copy, self.engine = ahead.model, ahead.engine
         self.names = trainable_names(parts.model)
-        generation = dataclasses.replace(parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn)
+        # the rollout runs on the copy (whole on every rank: no gathering of the policy's shards)
+        # and its collectives go over the rollout threads' own group (setup.Ahead.ranks). The
+        # generator thread's only collectives (dynamic filtering's refills) run while the scorer
+        # waits for that batch, so the two threads never use the group at once
+        generation = dataclasses.replace(
+            parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn, policy=ahead.model,
+            ranks=ahead.ranks,
+        )  # fmt: skip
         # batches overlap: one's judge calls are still out when the next starts, so a batch's
         # start does not reset the judges' tallies (each check counts the calls since the last)
         self.collector = Collector(cfg, generation, judge_tallies_per_batch=False)

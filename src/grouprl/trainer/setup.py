@@ -108,11 +108,6 @@ def check_parallel(cfg: Config, ranks: Ranks) -> None:
         raise UserError(
             f"model.quantization={cfg.model.quantization} runs in one process only (this run has {world} ranks)"
         )
-    if cfg.rollout.max_staleness:  # a second thread's collectives would interleave with the update's
-        raise UserError(
-            f"rollout.max_staleness={cfg.rollout.max_staleness} (asynchronous training) runs in one process only "
-            f"for now (this run has {world} ranks)"
-        )
 
 
 def check_images(cfg: Config, samples: list[Sample], config) -> None:
@@ -255,6 +250,7 @@ class Ahead:
     engine: RolloutEngine
     agent: AgentLoop | None
     single_turn: SingleTurn
+    ranks: Ranks  # the same ranks over a group of the rollout threads' own (Ranks.fork)
 
 
 def make_sampler(cfg: Config, train_samples: list[Sample]) -> PromptSampler | OnlineCurriculum:
@@ -356,6 +352,9 @@ def build(cfg: Config) -> Parts:
 
     is_lora = cfg.model.lora.rank > 0
     ref_model = make_reference(cfg, model, is_lora)
+    # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
+    # policy on each rank (taken before sharding), loaded with the weights of each batch's version
+    shadow = copy.deepcopy(model).requires_grad_(False) if cfg.rollout.max_staleness else None
     sharder = Sharder(cfg, ranks, device, dtype, compute_dtype)
     policy = sharder(model)
     if isinstance(ref_model, torch.nn.Module):
@@ -368,15 +367,16 @@ def build(cfg: Config) -> Parts:
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
     ahead = None
     if cfg.rollout.max_staleness:
-        # generation ahead of the update samples from a copy of the policy; the trainer's own
-        # built-in engine, on the current weights, serves evaluation
-        shadow = copy.deepcopy(model).requires_grad_(False)
+        # generation ahead of the update samples from the copy; the trainer's own built-in
+        # engine, on the current weights, serves evaluation
         generator = build_engine(
             cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
             vision=family, report_log_probs=True, device=device,
         )  # fmt: skip
         agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
-        ahead = Ahead(shadow, generator, agent, SingleTurn(generator))
+        # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
+        # group of their own, so that they never interleave with the update's
+        ahead = Ahead(shadow, generator, agent, SingleTurn(generator), ranks.fork())
         engine = build_engine(
             replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report
         )

@@ -40,6 +40,7 @@ from grouprl.errors import ModelLoadError
 from grouprl.rewards.composite import JudgeUnavailableError, groups_to_drop, judges_down
 from grouprl.rewards.streaming import batch_summary, combine
 from grouprl.rollout.engines import SamplingParams, rollout_phase
+from grouprl.rollout.engines.hf import HFEngine
 from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.models import autocast
@@ -101,11 +102,12 @@ class Pending:
     done: bool = False  # scored and settled (dynamic filtering does it all in start)
 
 
-def policy_for_generation(cfg: Config, policy):
-    """Several ranks: the built-in engine generates with the trainer's own model, so its weights
-    are whole for the rollout (`gathered`); an engine with its own copy (vLLM) needs nothing of
-    them, and the ranks do not hold the whole model beside it."""
-    return gathered(policy) if cfg.rollout.engine == "hf" else contextlib.nullcontext()
+def policy_for_generation(engine, policy):
+    """Several ranks: the built-in engine generating with the trainer's own model needs its
+    weights whole for the rollout (`gathered`); an engine with its own copy (vLLM) needs nothing
+    of them, and the ranks do not hold the whole model beside it. (`policy`: the asynchronous
+    rollout's own whole copy, or the trainer's policy.)"""
+    return gathered(policy) if isinstance(engine, HFEngine) else contextlib.nullcontext()
 
 
 def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
@@ -167,7 +169,7 @@ class Collector:
         generator = RowStreams(stream_seed, [g * n + j for g in groups for j in range(n)])
         images = self.p.encoder.images_of(samples)
         with_images = {"images": images} if images is not None else {}
-        with policy_for_generation(self.cfg, self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
+        with policy_for_generation(self.p.engine, self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
             try:
                 return self.runner.run(
                     samples,
@@ -231,6 +233,7 @@ class Collector:
             pending.generated = self._generate(out.samples, out.prompts, mine, out.version)
             if isinstance(p.sampler, OnlineCurriculum) and self.cfg.curriculum.dynamic_filter:
                 self._complete(pending)  # refills: generated within this rollout
+                pending.epoch = float(p.sampler.epoch)  # after the refills' draws
         return pending
 
     def finish(self, pending: Pending) -> StepBatch:
