@@ -92,6 +92,18 @@ def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_
         "CUDA graphs; asynchronous: up to 1 step(s) ahead of the update (fixed_lag), on a thread of its own over a "
         "whole copy of the policy on each rank"
     ) in out.splitlines()
+    code, out, err = run(
+        capsys, "train", "--dry-run", str(config), "rollout.max_staleness=2", "rollout.sleep_level=0",
+        "rollout.engine_process=true",
+    )  # fmt: skip
+    assert code == 0 and err == ""
+    assert any(
+        line.endswith(
+            "asynchronous: up to 2 step(s) ahead of the update (fixed_lag), in an engine process of its own on the "
+            "trainer device (weights over gloo) over a whole copy of the policy on each rank"
+        )
+        for line in out.splitlines()
+    )
 
 
 def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path, no_model_load):

@@ -169,9 +169,14 @@ def describe_rollout(cfg) -> str:
     r = cfg.rollout
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     ranks = f"on each of the {world} ranks" if world > 1 else "on every rank (one here; torchrun/Ray: one per rank)"
+    where = (
+        f"in an engine process of its own on {r.engine_device or 'the trainer device'} (weights over gloo)"
+        if r.engine_process
+        else "on a thread of its own"
+    )
     ahead = (
-        f"; asynchronous: up to {r.max_staleness} step(s) ahead of the update ({r.async_schedule}), on a thread "
-        "of its own over a whole copy of the policy on each rank"
+        f"; asynchronous: up to {r.max_staleness} step(s) ahead of the update ({r.async_schedule}), {where} "
+        "over a whole copy of the policy on each rank"
         if r.max_staleness
         else ""
     )

@@ -137,6 +137,10 @@ class RolloutConfig:
     """Asynchronous training: the rollout of step s may come from weights as old as step s-k (k = this). Generation of the next steps runs while this step's rewards finish and its update runs; the update corrects with the decoupled PPO objective (importance weights of the behaviour policy's log-probs). 0 = synchronous."""
     async_schedule: Literal["fixed_lag", "newest"] = "fixed_lag"
     """With max_staleness > 0: fixed_lag = step s always trains on the rollout of weights s-k (deterministic: a resumed run repeats an uninterrupted one exactly); newest = each batch starts on the newest weights there are, and an agent's later turns take weights pushed meanwhile (partial rollouts)."""
+    engine_process: bool = False
+    """With max_staleness > 0: the engine that generates ahead of the update runs in a process of its own (on engine_device), fed the weights over torch.distributed (gloo) after each update, instead of on a thread of the trainer's process."""
+    engine_device: str = ""
+    """With engine_process: where the engine process generates (e.g. cuda:1, cpu); empty = the trainer's device. One process: any device; several ranks: the trainer's, or cpu."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -1291,6 +1295,15 @@ def validate(cfg: Config) -> Config:
         cfg.rollout.max_staleness == 0 or cfg.model.quantization == "none",
         f"config key 'rollout.max_staleness' must be 0 with model.quantization={cfg.model.quantization}: "
         "asynchronous generation runs on a copy of the policy, which packed 4/8-bit weights do not make",
+    )
+    need(
+        not cfg.rollout.engine_process or cfg.rollout.max_staleness > 0,
+        "config key 'rollout.engine_process' needs rollout.max_staleness >= 1: the engine process generates "
+        "ahead of the update (asynchronous training)",
+    )
+    need(
+        not cfg.rollout.engine_device or cfg.rollout.engine_process,
+        "config key 'rollout.engine_device' is for rollout.engine_process=true",
     )
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")

@@ -90,6 +90,10 @@ def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
         load_config(config, ["rollout.max_staleness=1", "rollout.engine=vllm", "rollout.sleep_level=2"])
     with pytest.raises(ConfigError, match="must be 0 with model.quantization=4bit"):
         load_config(config, ["rollout.max_staleness=1", "model.quantization=4bit"])
+    with pytest.raises(ConfigError, match="'rollout.engine_process' needs rollout.max_staleness >= 1"):
+        load_config(config, ["rollout.engine_process=true"])
+    with pytest.raises(ConfigError, match="'rollout.engine_device' is for rollout.engine_process=true"):
+        load_config(config, ["rollout.max_staleness=1", "rollout.engine_device=cpu"])
 
 
 def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_dir, monkeypatch):
@@ -169,10 +173,12 @@ def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model
         assert torch.equal(wa[name], wb[name]), name
 
 
-def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, index_dir, monkeypatch):
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, index_dir, monkeypatch, engine_process):
     """async_schedule=newest with the agent loop: a version the update publishes while a batch's
     agents are between turns is taken by their next turn (a partial rollout), each turn records
-    the version it sampled from, and the trajectory's version is its first turn's."""
+    the version it sampled from, and the trajectory's version is its first turn's. In an engine
+    process the turns' contexts stay there while the new weights arrive."""
     from grouprl.trainer.pipeline import RolloutPipeline
 
     between = RolloutPipeline._between_turns
@@ -195,6 +201,7 @@ def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, in
         "agent.enabled=true", f"agent.retriever.index={index_dir}", "agent.max_turns=2", "agent.answer_generator=none",
         "rollout.max_response_length=8", "data.max_prompt_length=2048", *COMMON, "trainer.save_final=false",
         "rollout.max_staleness=1", "rollout.async_schedule=newest", "trainer.total_steps=4",
+        f"rollout.engine_process={str(engine_process).lower()}",
     ]  # fmt: skip
     Trainer(load_config(config, overrides)).fit()
     records = [json.loads(line) for line in (tmp_path / "runs" / "run" / "rollouts.jsonl").read_text().splitlines()]
@@ -255,3 +262,56 @@ def test_a_judge_that_stops_answering_stops_an_asynchronous_run_saved(tmp_path, 
             trainer.fit()
     assert time.monotonic() - started < 120
     assert "saved" in str(stopped.value) and 2 <= trainer.step < 6
+
+
+def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_does(tmp_path, model_dir):
+    """rollout.engine_process: the engine that generates ahead runs in a process of its own,
+    loaded from the same files, its weights broadcast over a two-process gloo group after each
+    update (all of them first, then the trainable ones), row streams travelling with each
+    request. One step off policy (fixed lag) it is the run of the engine on a thread: the same
+    rollouts, versions, updates and weights. An engine process killed mid-run stops the run with
+    one line, saved; the same command resumes it (a new engine process) to the same end."""
+    from grouprl.rollout.engines.process import EngineProcessEnded
+
+    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    runs = {}
+
+    def settings(name, *extra):
+        overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=4", f"trainer.experiment_name={name}"]
+        return load_config(config, [*overrides, *extra])
+
+    for name, extra in (("thread", []), ("process", ["rollout.engine_process=true"])):
+        trainer = Trainer(settings(name, *extra))
+        trainer.fit()
+        runs[name] = tmp_path / "runs" / name
+    engine = trainer.parts.ahead.engine
+    assert type(engine).__name__ == "EngineProcess" and not engine.process.is_alive()  # ended with the run
+    assert engine.push_seconds > 0
+    assert rollouts_of(runs["process"]) == rollouts_of(runs["thread"])
+    assert len({r[3] for r in rollouts_of(runs["thread"])}) > 10
+    keep = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+    assert [keep(m) for m in metrics_of(runs["process"])] == [keep(m) for m in metrics_of(runs["thread"])]
+    wa, wb = (load_file(str(run / "final" / "model.safetensors")) for run in runs.values())
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+    # killed once step 2 is learned (batch 3, from version 1's weights, in flight or waiting)
+    killed = Trainer(settings("killed", "rollout.engine_process=true"))
+    process = killed.parts.ahead.engine.process
+
+    def kill_after_step_two():
+        while killed.step < 2 and process.is_alive():
+            time.sleep(0.01)
+        process.kill()
+
+    threading.Thread(target=kill_after_step_two, daemon=True).start()
+    with pytest.raises(EngineProcessEnded) as stopped:
+        killed.fit()
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("the rollout engine process ended (exit code -9); saved ")
+    assert "run the same command to resume (a new engine process starts)" in message
+    Trainer(settings("killed", "rollout.engine_process=true")).fit()
+    assert rollouts_of(tmp_path / "runs" / "killed") == rollouts_of(runs["thread"])
+    wk = load_file(str(tmp_path / "runs" / "killed" / "final" / "model.safetensors"))
+    for name in wa:
+        assert torch.equal(wk[name], wa[name]), name

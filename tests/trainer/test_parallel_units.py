@@ -72,6 +72,10 @@ def test_metrics_combine_by_kind():
     [
         ("model.quantization=4bit", r"model.quantization=4bit runs in one process only \(this run has 2 ranks\)"),
         ("data.train_batch_size=3", r"data.train_batch_size=3 must be a multiple of the number of ranks \(2\)"),
+        (
+            "rollout.max_staleness=1 rollout.engine_process=true rollout.engine_device=cuda:1",
+            r"rollout.engine_device=cuda:1 would be every rank's engine device \(2 ranks\)",
+        ),
     ],
 )
 def test_settings_several_ranks_refuse_are_one_line(override, message):
@@ -81,7 +85,7 @@ def test_settings_several_ranks_refuse_are_one_line(override, message):
     cfg = load_config(None, ["model.lora.rank=8", "model.gradient_checkpointing=true"])
     check_parallel(cfg, Ranks(0, 2))  # LoRA and recompute pass
     with pytest.raises(UserError, match=message):
-        check_parallel(load_config(None, ["model.lora.rank=8", override]), Ranks(1, 2))
+        check_parallel(load_config(None, ["model.lora.rank=8", *override.split()]), Ranks(1, 2))
 
 
 def test_a_shard_size_that_does_not_divide_the_ranks_is_one_line():

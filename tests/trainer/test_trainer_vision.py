@@ -193,3 +193,19 @@ def test_an_engine_that_sees_a_prompts_images_otherwise_names_the_sample(tmp_pat
     with pytest.raises(ModelLoadError) as caught:
         trainer.collector.rollout(samples, prompts, 2)
     assert str(caught.value).startswith(f"sample {samples[1].uid!r}: prompt 1, image 0 (40x56): vLLM expands")
+
+
+def test_a_vlm_engine_process_samples_what_the_thread_does(tmp_path):
+    """rollout.engine_process with a VLM policy: the prompts' images travel to the engine process
+    with each request; one step off policy the run is the one of the engine on a thread."""
+    family = FAMILIES[0]
+    runs = {}
+    for name, extra in (("thread", []), ("process", ["rollout.engine_process=true"])):
+        trainer_for(
+            tmp_path / name, family, "rollout.max_staleness=1", "trainer.total_steps=3", "actor.optim.lr=2e-2",
+            "trainer.save_best=false", "actor.dtype=float32", *extra,
+        ).fit()  # fmt: skip
+        runs[name] = [
+            (r["step"], r["uid"], r["response"], r["version"]) for r in read_jsonl(tmp_path / name / "runs" / "run" / "rollouts.jsonl")
+        ]
+    assert runs["process"] == runs["thread"] and {r[3] for r in runs["thread"]} == {0, 1}

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from grouprl.curriculum.online import OnlineCurriculum
+from grouprl.rollout.engines.process import EngineProcess
 from grouprl.trainer.parallel import full_tensor
 from grouprl.trainer.step import Collector, StepBatch
 
@@ -183,6 +184,8 @@ class RolloutPipeline:
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=10)
+        if isinstance(self.engine, EngineProcess):  # rollout.engine_process: it ends with the run
+            self.engine.close()
 
     # ------------------------------------------------------------------ schedule
     def needed(self, step: int) -> int:

@@ -9,6 +9,7 @@ collect (step.py), learn (step.py) and evaluation (evaluation.py).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
 from grouprl.trainer.models import (
+    autocast,
     engine_may_differ,
     load_causal_lm,
     load_tokenizer,
@@ -104,6 +106,12 @@ def check_parallel(cfg: Config, ranks: Ranks) -> None:
     ranks.share(cfg.data.train_batch_size)
     if cfg.actor.mini_batch_size:
         ranks.share(cfg.actor.mini_batch_size, "actor.mini_batch_size")
+    engine_device = cfg.rollout.engine_device
+    if cfg.rollout.engine_process and engine_device and torch.device(engine_device).type != "cpu":
+        raise UserError(
+            f"rollout.engine_device={engine_device} would be every rank's engine device ({world} ranks): "
+            "leave it empty (each rank's engine process on that rank's device) or use cpu"
+        )
     if cfg.model.quantization != "none":  # FSDP shards plain tensors, not bitsandbytes' packed ones
         raise UserError(
             f"model.quantization={cfg.model.quantization} runs in one process only (this run has {world} ranks)"
@@ -242,8 +250,9 @@ class Parts:
 class Ahead:
     """The generation side of asynchronous training: a copy of the policy (`model`, loaded
     with the weights of the version a batch needs), the engine that samples from it (the
-    built-in engine over the copy, or vLLM, which pushes from it into its own) and the rollout
-    runners over that engine. The trainer's own `engine` then serves evaluation, on the
+    built-in engine over the copy, vLLM, which pushes from it into its own, or either in an
+    engine process of its own, rollout.engine_process, fed from the copy over gloo) and the
+    rollout runners over that engine. The trainer's own `engine` then serves evaluation, on the
     current weights."""
 
     model: torch.nn.Module
@@ -272,6 +281,27 @@ def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool):
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def generation_engine(cfg: Config, model_path: str, device: str, dtype, rollout_dtype):
+    """What the rollout engine process runs (rollout.engine_process): a copy of the policy loaded
+    as the trainer loads it, on `device`, the configured engine over it, and the precision each
+    request runs in. Returns (engine, model, context)."""
+    device = torch.device(device)
+    shape_stable_attention(device)
+    tokenizer = load_tokenizer(cfg.model, model_path)
+    model = load_causal_lm(cfg.model, model_path, device, dtype).requires_grad_(False)
+    family = None
+    if is_vision_config(model.config):
+        family = VisionProcessor.load(
+            model_path, model.config, tokenizer, min_pixels=cfg.data.image_min_pixels,
+            max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
+        ).family  # fmt: skip
+    engine = build_engine(
+        cfg.rollout, model, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
+        vision=family, report_log_probs=True, device=device,
+    )  # fmt: skip
+    return engine, model, lambda: autocast(device, rollout_dtype)
 
 
 class Sharder:
@@ -369,10 +399,18 @@ def build(cfg: Config) -> Parts:
     if cfg.rollout.max_staleness:
         # generation ahead of the update samples from the copy; the trainer's own built-in
         # engine, on the current weights, serves evaluation
-        generator = build_engine(
-            cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
-            vision=family, report_log_probs=True, device=device,
-        )  # fmt: skip
+        if cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
+            from grouprl.rollout.engines.process import EngineProcess
+
+            where = cfg.rollout.engine_device or str(device)
+            load = functools.partial(generation_engine, cfg, model_path, where, dtype, rollout_dtype)
+            changing = [name for name, p in model.named_parameters() if p.requires_grad]
+            generator = EngineProcess(shadow, tokenizer, load, changing, device)
+        else:
+            generator = build_engine(
+                cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
+                vision=family, report_log_probs=True, device=device,
+            )  # fmt: skip
         agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's

@@ -18,6 +18,7 @@ import yaml
 
 from grouprl.config import Config, to_dict
 from grouprl.rewards.composite import JudgeUnavailableError
+from grouprl.rollout.engines.process import EngineProcessEnded
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from grouprl.trainer.evaluation import Evaluator, Progress
@@ -203,18 +204,23 @@ class Trainer:
             self.pipeline.close()
 
     def _collect(self) -> StepBatch:
-        """This step's batch; a judge that stopped answering stops the run after saving the last
-        finished step (this one is redone on resume)."""
+        """This step's batch; a judge that stopped answering (on every rank alike) or an engine
+        process that ended stops the run after saving the last finished step (this one is redone
+        on resume). An engine process is one rank's: with several ranks the others are not there
+        to save with, and the last periodic checkpoint stands."""
         try:
             if self.pipeline is not None:
                 return self.pipeline.take(self.step)
             return self.collector.collect(self.step)
-        except JudgeUnavailableError as e:
+        except (JudgeUnavailableError, EngineProcessEnded) as e:
             pre = self._pre_step_state
+            once = "once the judge answers" if isinstance(e, JudgeUnavailableError) else "(a new engine process starts)"
+            if isinstance(e, EngineProcessEnded) and self.ranks.distributed:
+                raise
             if pre is not None and pre["step"] > 0:
                 path = self.save_checkpoint(pre)
-                raise JudgeUnavailableError(f"{e}; saved {path}: run the same command to resume once the judge answers") from None
-            raise JudgeUnavailableError(f"{e}; nothing trained yet to save") from None
+                raise type(e)(f"{e}; saved {path}: run the same command to resume {once}") from None
+            raise type(e)(f"{e}; nothing trained yet to save") from None
 
     # ------------------------------------------------------------------ evaluation and exports
     def evaluate(self, answers: Path | None = None, progress: Progress | None = None) -> dict[str, float]:

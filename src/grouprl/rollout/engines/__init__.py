@@ -1,6 +1,8 @@
 """Rollout engines behind one interface (`base.RolloutEngine`): `hf`, the built-in decode loop
 over the trainer's own transformers model, and `vllm`, vLLM in-process with its own copy of the
-weights (pushed after every update). The agent loop and the trainer talk to the interface only."""
+weights (pushed after every update). `process.EngineProcess` runs either in a process of its
+own, fed the weights over torch.distributed (asynchronous training's rollout.engine_process).
+The agent loop and the trainer talk to the interface only."""
 
 from grouprl.rollout.engines.base import (
     Generation,

@@ -1,0 +1,268 @@
+"""A rollout engine in a process of its own (`rollout.engine_process: true`): generation on a
+device of its own (`rollout.engine_device`: another GPU of the node, or the CPU), fed the
+policy's weights over torch.distributed, while the trainer's process updates.
+
+    trainer process: EngineProcess (a RolloutEngine)        engine process: serve()
+    generate / open_session / turns / begin/end_rollout --> the configured engine (built-in or
+        (pickled over a pipe)                                vLLM) over its own copy of the policy
+    on_group_done(i, generations)                       <-- each group as soon as it has ended
+    weights_updated(model): each tensor broadcast over  --> received into the copy, then the
+        a two-process group (gloo, through host memory)      engine's own weights_updated
+
+The first push sends every weight (the copy was loaded from the same files, but a resumed run's
+or a trained tower's may differ), later ones the weights an update changes (`changing`).
+Sampling randomness travels with each request (row streams) and comes back advanced, so a row
+continues its stream across turns as in one process: the same seed samples the same tokens as
+the in-process engine. A request waits for its answer while the process lives: an engine
+process that ends (killed, out of memory) is one error naming its exit code, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import multiprocessing
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from grouprl.errors import ModelLoadError, UserError
+from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams
+from grouprl.rollout.engines.streams import Randomness, RowStreams
+
+HOST = "127.0.0.1"  # the engine process runs beside the trainer's, on the same machine
+START_TIMEOUT_S = 1800  # loading a large model (and vLLM's warm-up) may take minutes
+
+
+class EngineProcessError(RuntimeError):
+    """A request failed in the engine process (its traceback in the message)."""
+
+
+class EngineProcessEnded(UserError):
+    """The engine process ended (killed, out of memory) or never started: the run stops, saved."""
+
+
+def _group(store, rank: int, timeout_s: float):
+    """The two processes' group over `store`: gloo on the loopback. (GPU to GPU the tensors go
+    through host memory: an NCCL group between the two is not made yet.)"""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def _drawn(generator: Randomness):
+    return generator._drawn if isinstance(generator, RowStreams) else None
+
+
+def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int) -> None:
+    """The engine process: `build()` gives (engine, its model, a context each request runs in);
+    then requests from `conn` until "close" or the trainer's end."""
+    try:
+        engine, model, context = build()
+        store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        conn.send(("ready", {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}))
+        group = _group(store, 1, START_TIMEOUT_S)  # joined by both processes at once
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
+        conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        return
+    sessions: dict[int, Any] = {}
+    params = dict(model.named_parameters())
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):  # the trainer has gone
+            return
+        try:
+            result, drawn = None, None
+            if op == "close":
+                conn.send(("ok", None, None, engine.prefill_tokens))
+                return
+            if op == "weights":
+                with torch.no_grad():
+                    for name, shape, dtype in args:
+                        buffer = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8)
+                        _broadcast(group, buffer)  # the bytes, whatever the dtype (gloo has no bf16 sum to need)
+                        params[name].copy_(buffer.view(dtype).view(shape))
+                engine.weights_updated(model)
+            elif op in ("begin_rollout", "end_rollout"):
+                getattr(engine, op)()
+            elif op == "generate":
+                prompts, n, sampling, generator, images, stream = args
+                on_group = (lambda i, generations: conn.send(("group", i, generations))) if stream else None
+                with context():
+                    result = engine.generate(prompts, n, sampling, generator, on_group_done=on_group, **images)
+                drawn = _drawn(generator)
+            elif op == "open_session":
+                key, prompts, n, reuse, images = args
+                sessions.clear()  # one rollout's session at a time: the one before has ended
+                sessions[key] = engine.open_session(prompts, n, reuse_cache=reuse, **images)
+            elif op == "turn":
+                key, rows, new_tokens, sampling, generator, new_images = args
+                with context():
+                    result = sessions[key].generate(rows, new_tokens, sampling, generator, new_images)
+                drawn = _drawn(generator)
+            elif op == "release":
+                key, row = args
+                sessions[key].release(row)
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            conn.send(("ok", result, drawn, engine.prefill_tokens))
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
+            conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+
+
+class _Session:
+    """A multi-turn session whose contexts live in the engine process."""
+
+    def __init__(self, owner: EngineProcess, key: int):
+        self.owner, self.key = owner, key
+
+    def generate(self, rows, new_tokens, params, generator=None, new_images=None) -> list[Generation]:
+        return self.owner._ask("turn", (self.key, rows, new_tokens, params, generator, new_images), generator)
+
+    def release(self, row: int) -> None:
+        self.owner._ask("release", (self.key, row))
+
+
+class EngineProcess:
+    """The RolloutEngine the trainer's process talks to (see the module docstring). `model`: the
+    trainer-side copy whose weights are pushed; `changing`: the names of the weights an update
+    changes (pushed after the first, whole push); `build`: a picklable callable the engine
+    process runs to load its copy and engine; `device`: the trainer's."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device):
+        self.model, self.tokenizer, self.changing = model, tokenizer, list(changing)
+        self._device = torch.device(device)
+        self._lock = threading.RLock()  # one request on the pipe at a time
+        self.prefill_tokens = 0
+        self.push_seconds = 0.0
+        self._pushed_once = False
+        self._sessions = 0
+        store = dist.TCPStore(HOST, 0, 2, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))  # fmt: skip
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, build, store.port),
+                                   name="grouprl-engine", daemon=True)  # fmt: skip
+        self.process.start()
+        child.close()
+        self.group = None
+        first = self._receive(START_TIMEOUT_S, starting=True)
+        self.group = _group(store, 0, START_TIMEOUT_S)
+        self._store = store
+        self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # ------------------------------------------------------------------ the engine interface
+    def generate(self, prompts, n, params: SamplingParams, generator: Randomness = None,
+                 on_group_done: GroupDone | None = None, images=None) -> list[Generation]:  # fmt: skip
+        images_arg = {"images": images} if images is not None else {}
+        args = (prompts, n, params, generator, images_arg, on_group_done is not None)
+        return self._ask("generate", args, generator, on_group_done)
+
+    def open_session(self, prompts, n, reuse_cache: bool = True, images=None) -> _Session:
+        self._sessions += 1
+        images_arg = {"images": images} if images is not None else {}
+        self._ask("open_session", (self._sessions, prompts, n, reuse_cache, images_arg))
+        return _Session(self, self._sessions)
+
+    def weights_updated(self, model: torch.nn.Module) -> None:
+        """Push `model`'s weights (every one the first time, then those an update changes)."""
+        t0 = time.perf_counter()
+        params = dict(model.named_parameters())
+        names = list(params) if not self._pushed_once else [n for n in self.changing if n in params]
+        tensors = [params[n].detach() for n in names]
+        with self._lock:
+            self._send("weights", [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)])
+            try:
+                for t in tensors:
+                    _broadcast(self.group, t.to("cpu").contiguous().reshape(-1).view(torch.uint8))
+            except RuntimeError:  # the other side went away mid-push: say so, not gloo's words
+                self.process.join(timeout=5)
+                if not self.process.is_alive():
+                    raise self._ended() from None
+                raise
+            self._receive()
+        self._pushed_once = True
+        self.push_seconds += time.perf_counter() - t0
+
+    def begin_rollout(self) -> None:
+        self._ask("begin_rollout", ())
+
+    def end_rollout(self) -> None:
+        self._ask("end_rollout", ())
+
+    def close(self) -> None:
+        """Stop the engine process (at the run's end; it also ends with the trainer's)."""
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):
+                self._ask("close", ())
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+
+    # ------------------------------------------------------------------ the pipe
+    def _ask(self, op: str, args, generator: Randomness = None, on_group: GroupDone | None = None):
+        with self._lock:
+            self._send(op, args)
+            return self._receive(generator=generator, on_group=on_group)
+
+    def _send(self, op: str, args) -> None:
+        try:
+            self.conn.send((op, args))
+        except (BrokenPipeError, OSError):
+            raise self._ended() from None
+
+    def _receive(self, timeout_s: float | None = None, *, starting=False, generator=None, on_group=None):
+        """The answer to the last request; the groups the engine reports on the way go to
+        `on_group`. Raises EngineProcessEnded once the process has ended."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if not self.conn.poll(1.0):
+                if not self.process.is_alive():
+                    raise self._ended()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise EngineProcessEnded(f"the rollout engine process did not start within {timeout_s:.0f} s")
+                continue
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                raise self._ended() from None
+            kind = message[0]
+            if kind == "group":
+                if on_group is not None:
+                    on_group(message[1], message[2])
+                continue
+            if kind == "error":
+                _, name, text, trace = message
+                if name in ("ModelLoadError", "UserError"):
+                    raise ModelLoadError(text)
+                raise EngineProcessError(f"rollout engine process: {name}: {text}\n{trace}")
+            if kind == "ready" and starting:
+                return message[1]
+            _, result, drawn, prefill = message
+            if drawn is not None and isinstance(generator, RowStreams):  # the rows' streams went on there
+                np.copyto(generator._drawn, drawn)
+            self.prefill_tokens = prefill
+            return result
+
+    def _ended(self) -> EngineProcessEnded:
+        self.process.join(timeout=5)
+        return EngineProcessEnded(f"the rollout engine process ended (exit code {self.process.exitcode})")
