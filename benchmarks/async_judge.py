@@ -2,12 +2,14 @@
 held-out accuracy after the same number of samples synchronously and one step off policy.
 
     .venv/bin/python benchmarks/async_judge.py --latency 5 --steps 6 --rounds 2     # step time
+    .venv/bin/python benchmarks/async_judge.py --ks 1 --engine-process  # k=1: thread vs engine process
     .venv/bin/python benchmarks/async_judge.py --learn --steps 20 --seeds 42 1 2     # accuracy
 
 Step time: the default recipe (SmolLM2-135M-Instruct, arithmetic, 4 prompts x 8 samples) with a
 judge component (weight 0.5) served by the fake OpenAI-compatible judge in its own process on
 127.0.0.1, every call answered after `--latency` seconds (all of a step's calls in flight at
 once). One `grouprl train` per k (fixed lag), `--steps` steps, rounds alternating the order.
+`--engine-process` adds k=1 with the engine in a process of its own (rollout.engine_process).
 Printed per k: median step time (steps after the first), the update's wait for its batch
 (`time/wait_batch`), generation and update time, and the judge time hidden: (sync step - step)
 / latency, the share of one judge wait per step that no longer holds a step up.
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE_JUDGE = ROOT / "tests" / "rewards" / "judges" / "fake_server.py"
 
 
-def run(k: int, overrides: list[str], out: Path, name: str) -> list[dict]:
+def run(k, overrides: list[str], out: Path, name: str) -> list[dict]:
     command = [
         sys.executable, "-m", "grouprl", "train", f"rollout.max_staleness={k}", "trainer.device=cpu",
         "trainer.resume_mode=disable", "trainer.save_freq=0", "trainer.save_final=false", "trainer.save_best=false",
@@ -59,12 +61,15 @@ def step_time(args) -> None:
             f"trainer.total_steps={args.steps}",
             "actor.dtype=float32",
         ]
-        ks = [0, 1, 2]
-        figures: dict[int, list[dict]] = {k: [] for k in ks}
+        ks: list = list(args.ks) + (["1 (engine process)"] if args.engine_process else [])
+        extra = {"1 (engine process)": ["rollout.engine_process=true"]}
+        figures: dict = {k: [] for k in ks}
         with tempfile.TemporaryDirectory(prefix="async-judge-") as tmp:
             for r in range(args.rounds):
-                for k in ks[r % 3 :] + ks[: r % 3]:
-                    steps = [m for m in run(k, overrides, Path(tmp), f"k{k}-r{r}") if "time/step" in m][1:]
+                for k in ks[r % len(ks) :] + ks[: r % len(ks)]:
+                    staleness = int(str(k).split()[0])
+                    name = f"k{staleness}-{len(extra.get(k, []))}-r{r}"
+                    steps = [m for m in run(staleness, overrides + extra.get(k, []), Path(tmp), name) if "time/step" in m][1:]
                     figures[k] += steps
                     print(f"round {r + 1} k={k}: step {statistics.median(m['time/step'] for m in steps):.2f} s", flush=True)
     finally:
@@ -76,11 +81,15 @@ def step_time(args) -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for k in ks:
         m = med[k]
-        hidden = (med[0]["time/step"] - m["time/step"]) / args.latency
+        hidden = f"{(med[0]['time/step'] - m['time/step']) / args.latency:.0%}" if 0 in med else "-"
         print(f"| {k} | {m['time/step']:.2f} | {m['time/wait_batch']:.2f} | {m['time/generate']:.2f} | "
-              f"{m['time/update']:.2f} | {hidden:.0%} |")  # fmt: skip
-    for k in ks[1:]:
-        print(f"k={k} / k=0: step {med[k]['time/step'] / med[0]['time/step']:.2f}x")
+              f"{m['time/update']:.2f} | {hidden} |")  # fmt: skip
+    for k in ks:
+        if k != 0 and 0 in med:
+            print(f"k={k} / k=0: step {med[k]['time/step'] / med[0]['time/step']:.2f}x")
+    if args.engine_process and 1 in med:
+        ratio = med["1 (engine process)"]["time/step"] / med[1]["time/step"]
+        print(f"k=1: engine process / thread: step {ratio:.2f}x")
 
 
 def learn(args) -> None:
@@ -109,6 +118,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--learn", action="store_true")
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="the max_staleness values to time")
+    p.add_argument("--engine-process", action="store_true", help="also k=1 with rollout.engine_process=true")
     p.add_argument("--seeds", type=int, nargs="+", default=[42], help="--learn: trainer seeds (the recipe's is 42)")
     args = p.parse_args()
     learn(args) if args.learn else step_time(args)

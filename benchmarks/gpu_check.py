@@ -6,7 +6,8 @@ each in a fresh run folder, summarised in one markdown table.
     python benchmarks/gpu_check.py --set vllm1:rollout.gpu_memory_utilization=0.3
     python benchmarks/gpu_check.py --device cpu --rows bf16 --steps 2 --no-write   # the plumbing only
 
-Rows (`--rows` takes names and groups: default = bf16,fp32; vllm = vllm0,vllm1,vllm2; all):
+Rows (`--rows` takes names and groups: default = bf16,fp32; vllm = vllm0,vllm1,vllm2;
+async = async,asyncproc,asyncsplit; all):
 - bf16: the built-in default recipe (SmolLM2-135M, arithmetic) with `actor.dtype=auto` (bf16 on a
   GPU) and `rollout.check_log_probs=true`: median step time (`time/step`, step 1 left out as
   warm-up), peak memory (`perf/peak_cuda_gb`), the sampler-vs-update log-prob mismatch
@@ -20,6 +21,11 @@ Rows (`--rows` takes names and groups: default = bf16,fp32; vllm = vllm0,vllm1,v
   `algorithm.rollout_is=token`, 3 steps: the weight push (`time/weight_sync`, and
   `time/weight_push` / `perf/engine_*` where the engine logs them), the mismatch and importance
   weights; skipped when vllm does not import.
+- async, asyncproc, asyncsplit: `rollout.max_staleness=1` in float32, 4 steps: the engine on a
+  thread, in an engine process on the same GPU (weights over gloo through host memory), and in an
+  engine process on cuda:1 (weights over NCCL; skipped with fewer than 2 GPUs): step time, the
+  weight push (`time/weight_push`) and the mismatch (step 1 samples the update's own weights:
+  float noise; later steps one version older).
 - vlm: configs/vlm.yaml on the embedded VLM (`builtin:smolvlm-smollm2-135m`), 2 steps.
 
 A row that fails (an error, out of memory, its time limit) is recorded with its one-line reason and
@@ -106,6 +112,25 @@ ROWS = [
         )
         for level in (0, 1, 2)
     ),
+    *(
+        Row(
+            name,
+            title,
+            ["rollout.max_staleness=1", "actor.dtype=float32", "rollout.dtype=float32", *extra],
+            4,
+            needs=needs,
+        )
+        for name, title, extra, needs in (
+            ("async", "one step off policy, engine on a thread, float32", [], ("cuda",)),
+            ("asyncproc", "one step off policy, engine process on the same GPU (gloo)", ["rollout.engine_process=true"], ("cuda",)),
+            (
+                "asyncsplit",
+                "one step off policy, engine process on cuda:1 (NCCL)",
+                ["rollout.engine_process=true", "rollout.engine_device=cuda:1"],
+                ("cuda", "2 gpus"),
+            ),
+        )
+    ),
     Row(
         "vlm",
         "embedded VLM (configs/vlm.yaml)",
@@ -114,7 +139,12 @@ ROWS = [
         config="configs/vlm.yaml",
     ),
 ]
-GROUPS = {"default": ["bf16", "fp32"], "vllm": ["vllm0", "vllm1", "vllm2"], "all": [r.name for r in ROWS]}
+GROUPS = {
+    "default": ["bf16", "fp32"],
+    "vllm": ["vllm0", "vllm1", "vllm2"],
+    "async": ["async", "asyncproc", "asyncsplit"],
+    "all": [r.name for r in ROWS],
+}
 
 
 @dataclass

@@ -102,6 +102,7 @@ def test_failure_reasons_are_one_line():
 def test_rows_groups_and_sets():
     assert [r.name for r in gpu_check.select_rows("default,vlm")] == ["bf16", "fp32", "vlm"]
     assert [r.name for r in gpu_check.select_rows("vllm2,ranks")] == ["ranks", "vllm2"]
+    assert [r.name for r in gpu_check.select_rows("async")] == ["async", "asyncproc", "asyncsplit"]
     assert len(gpu_check.select_rows("all")) == len(gpu_check.ROWS)
     with pytest.raises(ValueError, match="unknown row 'bogus'"):
         gpu_check.select_rows("bf16,bogus")
@@ -123,6 +124,9 @@ def test_skip_reasons():
     assert skip(rows["lora4bit"], "cpu", 0, {}) == "needs CUDA (this run: --device cpu)"
     assert skip(rows["ranks"], "cuda", 1, {}) == "needs 2 or more GPUs (1 visible)"
     assert skip(rows["ranks"], "cuda", 2, {}) is None
+    assert skip(rows["asyncproc"], "cuda", 1, {}) is None
+    assert skip(rows["asyncsplit"], "cuda", 1, {}) == "needs 2 or more GPUs (1 visible)"
+    assert "rollout.engine_device=cuda:1" in rows["asyncsplit"].overrides
     missing = {"vllm": "ModuleNotFoundError: No module named 'vllm'"}
     assert skip(rows["vllm0"], "cuda", 1, missing) == (
         "vllm does not import (ModuleNotFoundError: No module named 'vllm')"

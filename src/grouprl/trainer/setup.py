@@ -288,6 +288,8 @@ def generation_engine(cfg: Config, model_path: str, device: str, dtype, rollout_
     as the trainer loads it, on `device`, the configured engine over it, and the precision each
     request runs in. Returns (engine, model, context)."""
     device = torch.device(device)
+    if device.type == "cpu":  # beside a trainer on the same cores: half of them each, not all twice
+        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     shape_stable_attention(device)
     tokenizer = load_tokenizer(cfg.model, model_path)
     model = load_causal_lm(cfg.model, model_path, device, dtype).requires_grad_(False)
@@ -405,7 +407,7 @@ def build(cfg: Config) -> Parts:
             where = cfg.rollout.engine_device or str(device)
             load = functools.partial(generation_engine, cfg, model_path, where, dtype, rollout_dtype)
             changing = [name for name, p in model.named_parameters() if p.requires_grad]
-            generator = EngineProcess(shadow, tokenizer, load, changing, device)
+            generator = EngineProcess(shadow, tokenizer, load, changing, device, engine_device=where)
         else:
             generator = build_engine(
                 cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,

@@ -7,7 +7,7 @@ policy's weights over torch.distributed, while the trainer's process updates.
         (pickled over a pipe)                                vLLM) over its own copy of the policy
     on_group_done(i, generations)                       <-- each group as soon as it has ended
     weights_updated(model): each tensor broadcast over  --> received into the copy, then the
-        a two-process group (gloo, through host memory)      engine's own weights_updated
+        a two-process group (`weights_backend`)              engine's own weights_updated
 
 The first push sends every weight (the copy was loaded from the same files, but a resumed run's
 or a trained tower's may differ), later ones the weights an update changes (`changing`).
@@ -49,9 +49,21 @@ class EngineProcessEnded(UserError):
     """The engine process ended (killed, out of memory) or never started: the run stops, saved."""
 
 
-def _group(store, rank: int, timeout_s: float):
-    """The two processes' group over `store`: gloo on the loopback. (GPU to GPU the tensors go
-    through host memory: an NCCL group between the two is not made yet.)"""
+def weights_backend(trainer_device, engine_device) -> str:
+    """How the weights travel: NCCL from one GPU to another, gloo (through host memory) where
+    either side is a CPU or both are the same GPU (NCCL joins one rank per device)."""
+    a, b = torch.device(trainer_device), torch.device(engine_device)
+    if a.type == b.type == "cuda" and (a.index or 0) != (b.index or 0):
+        return "nccl"
+    return "gloo"
+
+
+def _group(store, rank: int, timeout_s: float, backend: str = "gloo"):
+    """The two processes' group over `store`: gloo on the loopback, or NCCL between two GPUs."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
     options._timeout = datetime.timedelta(seconds=timeout_s)
@@ -68,14 +80,17 @@ def _drawn(generator: Randomness):
     return generator._drawn if isinstance(generator, RowStreams) else None
 
 
-def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int) -> None:
+def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int, backend: str = "gloo") -> None:
     """The engine process: `build()` gives (engine, its model, a context each request runs in);
     then requests from `conn` until "close" or the trainer's end."""
     try:
         engine, model, context = build()
+        device = next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         conn.send(("ready", {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}))
-        group = _group(store, 1, START_TIMEOUT_S)  # joined by both processes at once
+        group = _group(store, 1, START_TIMEOUT_S, backend)  # joined by both processes at once
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
@@ -94,7 +109,7 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port
             if op == "weights":
                 with torch.no_grad():
                     for name, shape, dtype in args:
-                        buffer = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8)
+                        buffer = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
                         _broadcast(group, buffer)  # the bytes, whatever the dtype (gloo has no bf16 sum to need)
                         params[name].copy_(buffer.view(dtype).view(shape))
                 engine.weights_updated(model)
@@ -144,9 +159,10 @@ class EngineProcess:
     changes (pushed after the first, whole push); `build`: a picklable callable the engine
     process runs to load its copy and engine; `device`: the trainer's."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device):
+    def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device, engine_device=None):
         self.model, self.tokenizer, self.changing = model, tokenizer, list(changing)
         self._device = torch.device(device)
+        self.backend = weights_backend(device, engine_device or device)
         self._lock = threading.RLock()  # one request on the pipe at a time
         self.prefill_tokens = 0
         self.push_seconds = 0.0
@@ -156,13 +172,13 @@ class EngineProcess:
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))  # fmt: skip
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, build, store.port),
+        self.process = ctx.Process(target=serve, args=(child, build, store.port, self.backend),
                                    name="grouprl-engine", daemon=True)  # fmt: skip
         self.process.start()
         child.close()
         self.group = None
         first = self._receive(START_TIMEOUT_S, starting=True)
-        self.group = _group(store, 0, START_TIMEOUT_S)
+        self.group = _group(store, 0, START_TIMEOUT_S, self.backend)
         self._store = store
         self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
 
@@ -193,7 +209,8 @@ class EngineProcess:
             self._send("weights", [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)])
             try:
                 for t in tensors:
-                    _broadcast(self.group, t.to("cpu").contiguous().reshape(-1).view(torch.uint8))
+                    t = t.contiguous() if self.backend == "nccl" else t.to("cpu").contiguous()
+                    _broadcast(self.group, t.reshape(-1).view(torch.uint8))
             except RuntimeError:  # the other side went away mid-push: say so, not gloo's words
                 self.process.join(timeout=5)
                 if not self.process.is_alive():

@@ -1,0 +1,117 @@
+"""The engine in a process of its own (rollout.engine_process) against the same engine in this
+process: the same samples from the same row streams, single calls and turns, each group handed
+back as it ends, weights pushed between turns reaching the next turn (the contexts stay there),
+an error there raised here with its traceback (the process goes on), and a process that ends
+one error naming its exit code, never a wait. Also how the weights travel (gloo or NCCL)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from grouprl.rollout.engines.base import SamplingParams
+from grouprl.rollout.engines.hf import HFEngine
+from grouprl.rollout.engines.process import (
+    EngineProcess,
+    EngineProcessEnded,
+    EngineProcessError,
+    weights_backend,
+)
+from grouprl.rollout.engines.streams import RowStreams
+from helpers import random_prompts, tiny_model_and_tokenizer
+
+SAMPLE = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+
+def build_engine():
+    """What the engine process runs: the tiny model of seed 0 (the one the tests build here)."""
+    model, tokenizer = tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+    return HFEngine(model, tokenizer, report_log_probs=True), model, contextlib.nullcontext
+
+
+@pytest.fixture(scope="module")
+def local():
+    model, tokenizer = tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+    return HFEngine(model, tokenizer, report_log_probs=True)
+
+
+@pytest.fixture(scope="module")
+def remote(local):
+    changing = [name for name, _ in local.model.named_parameters() if "layers.1." in name]
+    engine = EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu")
+    yield engine
+    engine.close()
+
+
+def rows(generations):
+    return [(g.token_ids, g.finish_reason, [round(x, 9) for x in g.log_probs]) for g in generations]
+
+
+def test_weights_travel_by_nccl_between_two_gpus_only():
+    assert weights_backend("cpu", "cpu") == "gloo"
+    assert weights_backend("cuda:0", "cuda:1") == "nccl"
+    assert weights_backend("cuda:1", "cuda:0") == "nccl"
+    assert weights_backend("cuda", "cuda:0") == "gloo"  # one GPU: one NCCL rank per device
+    assert weights_backend("cuda:0", "cpu") == weights_backend("cpu", "cuda:0") == "gloo"
+
+
+def test_the_same_samples_and_groups_as_the_engine_here(local, remote):
+    prompts = random_prompts([3, 5, 2], len(local.tokenizer), seed=4)
+    assert remote.eos_token_ids == local.eos_token_ids and remote.pad_token_id == local.pad_token_id
+    remote.weights_updated(local.model)  # the first push: every weight
+    here, there = RowStreams(7, range(6)), RowStreams(7, range(6))
+    groups = []
+    want = local.generate(prompts, 2, SAMPLE, here)
+    got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, rows(gens))))
+    assert rows(got) == rows(want) and len({tuple(g.token_ids) for g in want}) > 3
+    assert sorted(groups) == [(i, rows(want[2 * i : 2 * i + 2])) for i in range(3)]  # each group, as it ended
+    assert (there._drawn == here._drawn).all() and here._drawn.sum() > 0  # the streams went on as here
+    # a second call continues the streams where the first left them
+    assert rows(remote.generate(prompts, 2, SAMPLE, there)) == rows(local.generate(prompts, 2, SAMPLE, here))
+
+
+def test_turns_keep_their_contexts_there_while_new_weights_arrive(local, remote):
+    prompts = random_prompts([4, 2], len(local.tokenizer), seed=5)
+    remote.weights_updated(local.model)
+    original = {n: p.detach().clone() for n, p in local.model.named_parameters()}
+    here, there = RowStreams(3, range(4)), RowStreams(3, range(4))
+    a, b = local.open_session(prompts, 2), remote.open_session(prompts, 2)
+    assert rows(b.generate([0, 1, 2, 3], [[]] * 4, SAMPLE, there)) == rows(a.generate([0, 1, 2, 3], [[]] * 4, SAMPLE, here))
+    try:
+        with torch.no_grad():  # an update of the weights the push sends after the first (layer 1's)
+            for name, p in local.model.named_parameters():
+                if "layers.1." in name:
+                    p.add_(0.05 * torch.randn_like(p))
+        remote.weights_updated(local.model)
+        local.weights_updated(local.model)
+        turn = [[5, 6], [7], [8, 9, 10]]
+        want = a.generate([0, 2, 3], turn, SAMPLE, here)
+        got = b.generate([0, 2, 3], turn, SAMPLE, there)
+        assert rows(got) == rows(want)
+        b.release(1)
+    finally:
+        with torch.no_grad():
+            for name, p in local.model.named_parameters():
+                p.copy_(original[name])
+        remote.weights_updated(local.model)
+
+
+def test_an_error_there_is_raised_here_and_the_process_goes_on(local, remote):
+    with pytest.raises(EngineProcessError, match=r"rollout engine process: \w+Error") as raised:
+        remote.generate([[1000000]], 1, SAMPLE)  # a token id past the vocabulary
+    assert "Traceback" in str(raised.value)
+    prompts = random_prompts([3], len(local.tokenizer), seed=6)
+    assert rows(remote.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == rows(
+        local.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))
+    )
+
+
+def test_a_process_that_ends_is_one_error_not_a_wait(local):
+    engine = EngineProcess(local.model, local.tokenizer, build_engine, [], "cpu")
+    engine.process.kill()
+    engine.process.join(timeout=10)
+    with pytest.raises(EngineProcessEnded, match=r"^the rollout engine process ended \(exit code -9\)$"):
+        engine.generate([[3, 4]], 1, SAMPLE)
+    with pytest.raises(EngineProcessEnded, match="exit code -9"):
+        engine.weights_updated(local.model)
+    engine.close()  # nothing left to stop
