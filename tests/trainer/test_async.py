@@ -142,7 +142,7 @@ def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model
     run makes them again from the weights the checkpoint kept, and ends as the run never killed
     did: the same rollouts, metrics and weights."""
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
-    settings = [*COMMON, "rollout.max_staleness=2", "trainer.total_steps=6", "trainer.save_freq=1", "trainer.keep_last=10"]
+    settings = [*COMMON, "rollout.max_staleness=2", "trainer.total_steps=5", "trainer.save_freq=1", "trainer.keep_last=10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def command(name):
@@ -269,49 +269,42 @@ def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_do
     loaded from the same files, its weights broadcast over a two-process gloo group after each
     update (all of them first, then the trainable ones), row streams travelling with each
     request. One step off policy (fixed lag) it is the run of the engine on a thread: the same
-    rollouts, versions, updates and weights. An engine process killed mid-run stops the run with
-    one line, saved; the same command resumes it (a new engine process) to the same end."""
+    rollouts, versions, updates and weights, here through a kill: the engine process killed once
+    step 2 is learned stops the run with one line, saved, and the same command resumes it (a new
+    engine process) to the thread's end."""
     from grouprl.rollout.engines.process import EngineProcessEnded
 
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
-    runs = {}
 
     def settings(name, *extra):
         overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=4", f"trainer.experiment_name={name}"]
         return load_config(config, [*overrides, *extra])
 
-    for name, extra in (("thread", []), ("process", ["rollout.engine_process=true"])):
-        trainer = Trainer(settings(name, *extra))
-        trainer.fit()
-        runs[name] = tmp_path / "runs" / name
-    engine = trainer.parts.ahead.engine
-    assert type(engine).__name__ == "EngineProcess" and not engine.process.is_alive()  # ended with the run
-    assert engine.push_seconds > 0
-    assert rollouts_of(runs["process"]) == rollouts_of(runs["thread"])
-    assert len({r[3] for r in rollouts_of(runs["thread"])}) > 10
-    keep = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
-    assert [keep(m) for m in metrics_of(runs["process"])] == [keep(m) for m in metrics_of(runs["thread"])]
-    wa, wb = (load_file(str(run / "final" / "model.safetensors")) for run in runs.values())
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), name
-
-    # killed once step 2 is learned (batch 3, from version 1's weights, in flight or waiting)
-    killed = Trainer(settings("killed", "rollout.engine_process=true"))
-    process = killed.parts.ahead.engine.process
+    Trainer(settings("thread")).fit()
+    thread, run = tmp_path / "runs" / "thread", tmp_path / "runs" / "process"
+    # killed once step 2 is learned (batch 3, from version 2's weights, waits for their push)
+    killed = Trainer(settings("process", "rollout.engine_process=true"))
+    engine = killed.parts.ahead.engine
+    assert type(engine).__name__ == "EngineProcess"
 
     def kill_after_step_two():
-        while killed.step < 2 and process.is_alive():
+        while killed.step < 2 and engine.process.is_alive():
             time.sleep(0.01)
-        process.kill()
+        engine.process.kill()
 
     threading.Thread(target=kill_after_step_two, daemon=True).start()
     with pytest.raises(EngineProcessEnded) as stopped:
         killed.fit()
+    assert engine.push_seconds > 0  # versions 0 and 1 went over before the kill
     message = str(stopped.value)
     assert "\n" not in message and message.startswith("the rollout engine process ended (exit code -9); saved ")
     assert "run the same command to resume (a new engine process starts)" in message
-    Trainer(settings("killed", "rollout.engine_process=true")).fit()
-    assert rollouts_of(tmp_path / "runs" / "killed") == rollouts_of(runs["thread"])
-    wk = load_file(str(tmp_path / "runs" / "killed" / "final" / "model.safetensors"))
+    resumed = Trainer(settings("process", "rollout.engine_process=true"))
+    resumed.fit()
+    assert not resumed.parts.ahead.engine.process.is_alive()  # ended with the run
+    assert rollouts_of(run) == rollouts_of(thread) and len({r[3] for r in rollouts_of(thread)}) > 10
+    keep = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+    assert [keep(m) for m in metrics_of(run)] == [keep(m) for m in metrics_of(thread)]
+    wa, wb = (load_file(str(r / "final" / "model.safetensors")) for r in (thread, run))
     for name in wa:
-        assert torch.equal(wk[name], wa[name]), name
+        assert torch.equal(wb[name], wa[name]), name

@@ -278,6 +278,7 @@ def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(ima
             RewardModelConfig(
                 name="api", kind="http_image", path="image-model-1", base_url=service.base_url,
                 api_key_env="IMAGE_KEY", height=16, width=16, batch_size=4, cache_dir=str(tmp_path / "cache"),
+                max_retries=1,  # one retry takes the 429 (0.5 s of backoff); the 500 sample then falls back
             ),
             RewardModelConfig(name="clip", kind="clip", path=str(clip), images_from="api"),
         ],
