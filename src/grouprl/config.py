@@ -1305,6 +1305,10 @@ def validate(cfg: Config) -> Config:
         not cfg.rollout.engine_device or cfg.rollout.engine_process,
         "config key 'rollout.engine_device' is for rollout.engine_process=true",
     )
+    need(
+        re.fullmatch(r"(cpu|cuda(:\d+)?)?", cfg.rollout.engine_device) is not None,
+        f"config key 'rollout.engine_device' must be cpu, cuda or cuda:N (got {cfg.rollout.engine_device!r})",
+    )
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")
     need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")

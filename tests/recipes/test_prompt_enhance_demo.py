@@ -1,4 +1,4 @@
-"""configs/prompt_enhance_demo.yaml's loop on the built-in model, shrunk to two short steps: the
+"""configs/prompt_enhance_demo.yaml's loop on the built-in model, shrunk to one short step: the
 scenes task, the Pillow renderer and scorer in the reward worker, images in the run folder,
 the before/after report. (Its learning curve is in benchmarks/RESULTS.md.)"""
 
@@ -22,14 +22,14 @@ def test_the_demo_loop_runs_and_reports(tmp_path):
         str(ROOT / "configs" / "prompt_enhance_demo.yaml"),
         [
             "data.task_train_size=32", "data.task_val_size=3", "data.train_batch_size=2", "rollout.n_agent=4",
-            "rollout.max_response_length=16", "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
+            "rollout.max_response_length=16", "trainer.total_steps=1", "trainer.test_freq=0", "trainer.save_freq=0",
             "trainer.save_final=false", "trainer.save_best=false", f"trainer.output_dir={tmp_path / 'runs'}", "actor.dtype=float32",
         ],
     )  # fmt: skip
     summary = Trainer(cfg).fit()
     run = Path(summary["run_dir"])
     records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 2 * 4
+    assert len(records) == 1 * 2 * 4
     scorer = SceneScorer()
     from PIL import Image
 

@@ -94,6 +94,8 @@ def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
         load_config(config, ["rollout.engine_process=true"])
     with pytest.raises(ConfigError, match="'rollout.engine_device' is for rollout.engine_process=true"):
         load_config(config, ["rollout.max_staleness=1", "rollout.engine_device=cpu"])
+    with pytest.raises(ConfigError, match=r"'rollout.engine_device' must be cpu, cuda or cuda:N \(got 'gpu1'\)"):
+        load_config(config, ["rollout.max_staleness=1", "rollout.engine_process=true", "rollout.engine_device=gpu1"])
 
 
 def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_dir, monkeypatch):
