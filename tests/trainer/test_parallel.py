@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny import LOWER_FRACTION, tiny_model_dir, write_run_config
+from tiny import tiny_model_dir, write_run_config
 
 from helpers import run_grouprl
 
@@ -52,11 +52,17 @@ def final_weights(run_dir):
     return load_file(str(run_dir / "final" / "model.safetensors"))  # whole, gathered from the ranks
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    model = tiny_model_dir(root / "model")
-    return root, write_run_config(root, model, reward=LOWER_FRACTION)
+@pytest.fixture
+def setup(parallel_setup):  # conftest.py: shared with test_ray_launch.py
+    return parallel_setup
+
+
+def reference_run(config, root):
+    """The one-process run of SETTINGS (the default loss mode), made once for every test here."""
+    run = root / "runs" / "seq-mean-token-mean-1"
+    if not run.is_dir():
+        train(config, 1, "actor.loss_agg_mode=seq-mean-token-mean", f"trainer.experiment_name={run.name}")
+    return run
 
 
 @pytest.mark.parametrize("mode,sharding", [("seq-mean-token-mean", "all"), ("token-mean", "replicated")])
@@ -132,9 +138,7 @@ def assert_same_run(one_dir, two_dir, model_dir):
 @pytest.mark.parametrize("resume_ranks", [1])  # on two: test_one_step_off_policy_on_two_ranks_..._resumes
 def test_saved_on_two_ranks_resumes_on_one_or_two(setup, resume_ranks):
     root, config = setup
-    reference = root / "runs" / "seq-mean-token-mean-1"  # the default loss mode's run (test_two_ranks_equal_one)
-    if not reference.is_dir():
-        train(config, 1, "actor.loss_agg_mode=seq-mean-token-mean", f"trainer.experiment_name={reference.name}")
+    reference = reference_run(config, root)
     name = f"resumed-on-{resume_ranks}"
     train(config, 2, f"trainer.experiment_name={name}", "trainer.total_steps=2")
     saved = root / "runs" / name / "checkpoints" / "step_2"

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_parallel import SETTINGS, assert_same_run, setup, train  # noqa: F401 (setup: a fixture)
+from test_parallel import SETTINGS, assert_same_run, reference_run, setup, train  # noqa: F401 (setup: a fixture)
 
 from grouprl.cli import main
 from grouprl.config import load_config
@@ -123,9 +123,9 @@ def test_ray_workers_equal_one_process(setup, ray_cluster, monkeypatch):  # noqa
     monkeypatch.chdir(root)  # a relative output_dir: the workers resolve it from the driver's folder
     ray = ["trainer.launcher=ray", "trainer.ray_workers=2", "trainer.output_dir=runs"]
 
-    train(config, 1, "trainer.experiment_name=one", "trainer.output_dir=runs")
+    one = reference_run(config, root)  # the one-process run (test_parallel.py's, when it ran)
     done = train(config, 1, "trainer.experiment_name=ray", *ray)
     assert "training on 2 Ray workers (CPU)" in done.stderr
-    one, two = root / "runs" / "one", root / "runs" / "ray"
+    two = root / "runs" / "ray"
     assert_same_run(one, two, root / "model")
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())  # nothing of Ray's
