@@ -70,7 +70,6 @@ class RolloutPipeline:
         self.fixed = cfg.rollout.async_schedule == "fixed_lag"
         ahead = parts.ahead
         self.copy, self.engine = ahead.model, ahead.engine
-        self.names = trainable_names(parts.model)
         # the rollout runs on the copy (whole on every rank: no gathering of the policy's shards)
         # and its collectives go over the rollout threads' own group (setup.Ahead.ranks). The
         # generator thread's only collectives (dynamic filtering's refills) run while the scorer

@@ -46,6 +46,7 @@ from grouprl.trainer.models import (
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, shard
+from grouprl.trainer.pipeline import trainable_names
 from grouprl.trainer.update import PolicyUpdater
 from grouprl.vision.families import is_vision_config
 from grouprl.vision.processor import VisionProcessor
@@ -408,8 +409,7 @@ def build(cfg: Config) -> Parts:
             where = cfg.rollout.engine_device or str(device)
             share = torch.device(where).type == "cpu" and device.type == "cpu"
             load = functools.partial(generation_engine, cfg, model_path, where, dtype, rollout_dtype, share)
-            changing = [name for name, p in model.named_parameters() if p.requires_grad]
-            generator = EngineProcess(shadow, tokenizer, load, changing, device, engine_device=where)
+            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
         else:
             generator = build_engine(
                 cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,

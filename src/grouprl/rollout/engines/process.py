@@ -176,10 +176,9 @@ class EngineProcess:
                                    name="grouprl-engine", daemon=True)  # fmt: skip
         self.process.start()
         child.close()
-        self.group = None
         first = self._receive(START_TIMEOUT_S, starting=True)
         self.group = _group(store, 0, START_TIMEOUT_S, self.backend)
-        self._store = store
+        self._store = store  # the group's rendezvous: it lives as long as the group
         self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
 
     @property
