@@ -240,6 +240,23 @@ def launch(ranks: int, *args: str, script: str | None = None) -> list[str]:
     ]  # fmt: skip
 
 
+def train_here(config, *overrides: str) -> dict:
+    """`grouprl train config overrides` in this process on one torch thread: the numbers of
+    `run_grouprl(1, "train", ...)` without a new interpreter's imports (seconds a run). Returns
+    the run's summary."""
+    import torch
+
+    from grouprl.config import load_config
+    from grouprl.trainer.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Trainer(load_config(str(config), list(overrides))).fit()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_grouprl(ranks: int, *args: str, timeout: float = 600, **kwargs):
     """`launch(ranks, *args, **kwargs)` with one torch thread per process; its CompletedProcess,
     asserted successful (the output's end in the message otherwise)."""
@@ -250,3 +267,29 @@ def run_grouprl(ranks: int, *args: str, timeout: float = 600, **kwargs):
     done = subprocess.run(launch(ranks, *args, **kwargs), env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+ENGINE_KEY = "a-test-key-of-the-engine-service"
+
+
+def start_engine_service(log, devices: str = "cpu,cpu"):
+    """`grouprl engine serve --devices DEVICES` on 127.0.0.1 (any free port, one torch thread an
+    engine, GROUPRL_ENGINE_KEY = ENGINE_KEY, the tests' modules importable there); (its address,
+    its process). Stop it with SIGTERM."""
+    import os
+    import re
+    import select
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tests), str(tests / "rollout"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "GROUPRL_ENGINE_KEY": ENGINE_KEY, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "grouprl", "engine", "serve", "--host", "127.0.0.1", "--port", "0", "--devices", devices]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline() if ready else ""
+    found = re.search(r"^engine service on (\S+) \(", line)
+    assert found, (line, Path(log).read_text()[-2000:])
+    return found.group(1), proc

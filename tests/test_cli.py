@@ -104,6 +104,18 @@ def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_
         )
         for line in out.splitlines()
     )
+    code, out, err = run(
+        capsys, "train", "--dry-run", str(config), "rollout.max_staleness=1", "rollout.sleep_level=0",
+        "rollout.engine_address=10.0.0.2:7100",
+    )  # fmt: skip
+    assert code == 0 and err == ""
+    assert any(
+        line.endswith(
+            "in an engine process of the engine service at 10.0.0.2:7100 (weights over torch.distributed) over a "
+            "whole copy of the policy on each rank"
+        )
+        for line in out.splitlines()
+    )
 
 
 def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path, no_model_load):

@@ -172,6 +172,8 @@ def describe_rollout(cfg) -> str:
     where = (
         f"in an engine process of its own on {r.engine_device or 'the trainer device'} (weights over gloo)"
         if r.engine_process
+        else f"in an engine process of the engine service at {r.engine_address} (weights over torch.distributed)"
+        if r.engine_address
         else "on a thread of its own"
     )
     ahead = (
@@ -387,12 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     from grouprl.curriculum.cli import add_parser as add_curriculum
     from grouprl.retriever.cli import add_parser as add_retriever
     from grouprl.rewards.judges.cli import add_parser as add_judge
+    from grouprl.rollout.cli import add_parser as add_engine
     from grouprl.trainer.sft_cli import add_parser as add_sft
 
     add_sft(sub)  # grouprl sft [config.yaml] [overrides]: supervised warm start
     add_curriculum(sub)  # grouprl curriculum build ...
     add_judge(sub)  # grouprl judge score ...
     add_retriever(sub)  # grouprl retriever build | serve ...
+    add_engine(sub)  # grouprl engine serve ...: rollout engines for trainers on other machines
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -141,6 +141,8 @@ class RolloutConfig:
     """With max_staleness > 0: the engine that generates ahead of the update runs in a process of its own (on engine_device), fed the weights over torch.distributed (gloo) after each update, instead of on a thread of the trainer's process."""
     engine_device: str = ""
     """With engine_process: where the engine process generates (e.g. cuda:1, cpu); empty = the trainer's device. One process: any device; several ranks: the trainer's, or cpu."""
+    engine_address: str = ""
+    """With max_staleness > 0: host:port of a `grouprl engine serve` on another machine; each rank's engine process runs there (on one of its --devices) instead of beside the rank, fed the weights over torch.distributed (NCCL between GPUs, gloo otherwise). Both sides need the same secret in GROUPRL_ENGINE_KEY."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -1304,6 +1306,21 @@ def validate(cfg: Config) -> Config:
     need(
         not cfg.rollout.engine_device or cfg.rollout.engine_process,
         "config key 'rollout.engine_device' is for rollout.engine_process=true",
+    )
+    need(
+        not cfg.rollout.engine_address or cfg.rollout.max_staleness > 0,
+        "config key 'rollout.engine_address' needs rollout.max_staleness >= 1: the engine service generates "
+        "ahead of the update (asynchronous training)",
+    )
+    need(
+        not (cfg.rollout.engine_address and cfg.rollout.engine_process),
+        "config keys 'rollout.engine_address' and 'rollout.engine_process' name two places for the engine: "
+        "set one (the service's devices are chosen where it runs: grouprl engine serve --devices)",
+    )
+    need(
+        not cfg.rollout.engine_address
+        or re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}", cfg.rollout.engine_address) is not None,
+        f"config key 'rollout.engine_address' must be host:port (got {cfg.rollout.engine_address!r})",
     )
     need(
         re.fullmatch(r"(cpu|cuda(:\d+)?)?", cfg.rollout.engine_device) is not None,

@@ -1,5 +1,5 @@
 """The math-tutor source's three workflows (configs/math_*.yaml) run end to end offline on the
-built-in model and the built-in word problems, shrunk to two short steps: rule rewards only;
+built-in model and the built-in word problems, shrunk to one short step: rule rewards only;
 rules + an API judge (the Gemini backend pointed at a fake Gemini server on 127.0.0.1); rules +
 an on-premise judge model (the built-in model as the judge, on its own device setting)."""
 
@@ -20,7 +20,7 @@ SMALL = [
     "data.task_val_size=2",
     "rollout.n_agent=4",
     "rollout.max_response_length=12",
-    "trainer.total_steps=2",
+    "trainer.total_steps=1",
     "trainer.test_freq=0",
     "trainer.save_freq=0",
     "trainer.save_final=false",
@@ -41,14 +41,14 @@ def run(recipe: Path, tmp_path, *overrides):
 
 def test_rule_rewards_recipe(tmp_path):
     run_dir, steps = run(ROOT / "configs" / "math_rules.yaml", tmp_path)
-    assert len(steps) == 2
+    assert len(steps) == 1
     for key in ("reward/correctness", "reward/strict_format", "reward/soft_format", "reward/contains_integer", "reward/xml_count"):
         assert key in steps[-1]
     weights = {"correctness": 2.0, "strict_format": 0.5, "soft_format": 0.5, "contains_integer": 0.5, "xml_count": 1.0}
     for line in (run_dir / "rollouts.jsonl").read_text().splitlines():  # the composite is the weighted sum
         record = json.loads(line)
         assert record["reward"] == pytest.approx(sum(w * record["rewards"][k] for k, w in weights.items()))
-    assert (run_dir / "checkpoints" / "step_2" / "manifest.json").is_file()
+    assert (run_dir / "checkpoints" / "step_1" / "manifest.json").is_file()
 
 
 def test_api_judge_recipe_sends_formatted_answers_to_the_judge(tmp_path, monkeypatch):
@@ -83,7 +83,7 @@ def test_on_premise_judge_recipe_logs_every_grade_and_keeps_the_best(tmp_path, m
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tree))
     run_dir, steps = run(recipe, tmp_path, "rollout.max_response_length=40", "trainer.save_best=true")  # best/: the final evaluation
-    assert len(steps) == 2 and "reward/reasoning" in steps[-1]
+    assert len(steps) == 1 and "reward/reasoning" in steps[-1]
     log = [json.loads(line) for line in (run_dir / "judge.jsonl").read_text().splitlines()]
     assert log and all("raw" in e and e["prompt"]["user"] for e in log)  # what it was asked, what it said
     assert (run_dir / "best" / "grouprl_meta.json").is_file()

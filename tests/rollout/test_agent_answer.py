@@ -112,7 +112,8 @@ def test_openai_generator_answers_with_the_key_from_the_environment(server, monk
     ],
 )
 def test_openai_generator_failures_become_errors(server, model, error):
-    results = ask(OpenAIAnswerGenerator(server, model, timeout_s=0.3), REQUESTS)
+    timeout = 0.3 if model == "slow" else 10  # the others answer at once, however busy the machine is
+    results = ask(OpenAIAnswerGenerator(server, model, timeout_s=timeout), REQUESTS)
     assert [(r.text, r.error) for r in results] == [("", error)] * 2
 
 

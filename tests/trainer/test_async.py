@@ -21,6 +21,7 @@ from tiny import A_FRACTION, LOWER_FRACTION, tiny_model_dir, write_run_config
 from grouprl.config import load_config
 from grouprl.errors import ConfigError
 from grouprl.trainer.trainer import Trainer
+from helpers import train_here
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +97,14 @@ def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
         load_config(config, ["rollout.max_staleness=1", "rollout.engine_device=cpu"])
     with pytest.raises(ConfigError, match=r"'rollout.engine_device' must be cpu, cuda or cuda:N \(got 'gpu1'\)"):
         load_config(config, ["rollout.max_staleness=1", "rollout.engine_process=true", "rollout.engine_device=gpu1"])
+    with pytest.raises(ConfigError, match="'rollout.engine_address' needs rollout.max_staleness >= 1"):
+        load_config(config, ["rollout.engine_address=10.0.0.2:7100"])
+    with pytest.raises(ConfigError, match="'rollout.engine_address' and 'rollout.engine_process' name two places"):
+        load_config(config, ["rollout.max_staleness=1", "rollout.engine_process=true", "rollout.engine_address=h:7100"])
+    with pytest.raises(ConfigError, match=r"'rollout.engine_address' must be host:port \(got 'http://h:7100'\)"):
+        load_config(config, ["rollout.max_staleness=1", "rollout.engine_address=http://h:7100"])
+    for fine in ("engine-1.cluster:7100", "10.0.0.2:7100", "[fd00::2]:7100"):
+        assert load_config(config, ["rollout.max_staleness=1", f"rollout.engine_address={fine}"]).rollout.engine_address == fine
 
 
 def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_dir, monkeypatch):
@@ -150,8 +159,7 @@ def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model
     def command(name):
         return [sys.executable, "-m", "grouprl", "train", str(config), *settings, f"trainer.experiment_name={name}"]
 
-    whole = subprocess.run(command("whole"), env=env, capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    train_here(config, *settings, "trainer.experiment_name=whole")  # as its own process on one thread would
     run = tmp_path / "runs" / "killed"
     proc = subprocess.Popen(command("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -266,47 +274,77 @@ def test_a_judge_that_stops_answering_stops_an_asynchronous_run_saved(tmp_path, 
     assert "saved" in str(stopped.value) and 2 <= trainer.step < 6
 
 
-def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_does(tmp_path, model_dir):
-    """rollout.engine_process: the engine that generates ahead runs in a process of its own,
-    loaded from the same files, its weights broadcast over a two-process gloo group after each
-    update (all of them first, then the trainable ones), row streams travelling with each
-    request. One step off policy (fixed lag) it is the run of the engine on a thread: the same
-    rollouts, versions, updates and weights, here through a kill: the engine process killed once
-    step 2 is learned stops the run with one line, saved, and the same command resumes it (a new
-    engine process) to the thread's end."""
+@pytest.fixture(scope="module")
+def thread_run(tmp_path_factory, model_dir):
+    """One step off policy with the engine on a thread: what an engine elsewhere must repeat."""
+    root = tmp_path_factory.mktemp("where")
+    config = write_run_config(root, model_dir, reward=LOWER_FRACTION)
+    Trainer(engine_settings(config, "thread")).fit()
+    return config, root / "runs" / "thread"
+
+
+def engine_settings(config, name, *extra):
+    overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=4", f"trainer.experiment_name={name}"]
+    return load_config(config, [*overrides, *extra])
+
+
+@pytest.mark.parametrize("where", ["process", "service"])
+def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_does(thread_run, where, tmp_path, monkeypatch):
+    """rollout.engine_process (spawned beside the trainer) or rollout.engine_address (a process
+    of `grouprl engine serve`, as on another machine): the engine that generates ahead runs in
+    a process of its own, loaded from the same files, its weights broadcast over a two-process
+    gloo group after each update (all of them first, then the trainable ones), row streams
+    travelling with each request. One step off policy (fixed lag) it is the run of the engine
+    on a thread: the same rollouts, versions, updates and weights, here through a kill: the
+    engine process killed once step 2 is learned stops the run with one line, saved, and the
+    same command resumes it (a new engine process) to the thread's end."""
     from grouprl.rollout.engines.process import EngineProcessEnded
+    from helpers import ENGINE_KEY, start_engine_service
 
-    config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
+    config, thread = thread_run
+    run = thread.parent / where
+    if where == "service":
+        address, service = start_engine_service(tmp_path / "service.log", devices="cpu")
+        monkeypatch.setenv("GROUPRL_ENGINE_KEY", ENGINE_KEY)
+        extra = [f"rollout.engine_address={address}"]
+        resume = f"run the same command to resume once the engine service at {address} answers (it starts a new engine)"
+        ended = f"the rollout engine at {address} closed the connection ("
+    else:
+        extra = ["rollout.engine_process=true"]
+        resume = "run the same command to resume (a new engine process starts)"
+        ended = "the rollout engine process ended (exit code -9); saved "
+    try:
+        # killed once step 2 is learned (batch 3, from version 2's weights, waits for their push)
+        killed = Trainer(engine_settings(config, where, *extra))
+        engine = killed.parts.ahead.engine
+        assert type(engine).__name__ == "EngineProcess" and engine.pid != os.getpid()
 
-    def settings(name, *extra):
-        overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=4", f"trainer.experiment_name={name}"]
-        return load_config(config, [*overrides, *extra])
+        def kill_after_step_two():
+            deadline = time.monotonic() + 120
+            while killed.step < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(engine.pid, signal.SIGKILL)
 
-    Trainer(settings("thread")).fit()
-    thread, run = tmp_path / "runs" / "thread", tmp_path / "runs" / "process"
-    # killed once step 2 is learned (batch 3, from version 2's weights, waits for their push)
-    killed = Trainer(settings("process", "rollout.engine_process=true"))
-    engine = killed.parts.ahead.engine
-    assert type(engine).__name__ == "EngineProcess"
-
-    def kill_after_step_two():
-        while killed.step < 2 and engine.process.is_alive():
-            time.sleep(0.01)
-        engine.process.kill()
-
-    threading.Thread(target=kill_after_step_two, daemon=True).start()
-    with pytest.raises(EngineProcessEnded) as stopped:
-        killed.fit()
-    assert engine.push_seconds > 0  # versions 0 and 1 went over before the kill
-    message = str(stopped.value)
-    assert "\n" not in message and message.startswith("the rollout engine process ended (exit code -9); saved ")
-    assert "run the same command to resume (a new engine process starts)" in message
-    resumed = Trainer(settings("process", "rollout.engine_process=true"))
-    resumed.fit()
-    assert not resumed.parts.ahead.engine.process.is_alive()  # ended with the run
+        threading.Thread(target=kill_after_step_two, daemon=True).start()
+        with pytest.raises(EngineProcessEnded) as stopped:
+            killed.fit()
+        assert engine.push_seconds > 0  # versions 0 and 1 went over before the kill
+        message = str(stopped.value)
+        assert "\n" not in message and message.startswith(ended) and resume in message
+        resumed = Trainer(engine_settings(config, where, *extra))
+        resumed.fit()
+        if where == "process":
+            assert not resumed.parts.ahead.engine.process.is_alive()  # ended with the run
+    finally:
+        if where == "service":
+            service.send_signal(signal.SIGTERM)
+            assert service.wait(timeout=60) == 0
     assert rollouts_of(run) == rollouts_of(thread) and len({r[3] for r in rollouts_of(thread)}) > 10
     keep = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
     assert [keep(m) for m in metrics_of(run)] == [keep(m) for m in metrics_of(thread)]
     wa, wb = (load_file(str(r / "final" / "model.safetensors")) for r in (thread, run))
     for name in wa:
         assert torch.equal(wb[name], wa[name]), name
+    if where == "service":  # the key lives in the environment only: no file of the run holds it
+        assert not [p for p in run.rglob("*") if p.is_file() and ENGINE_KEY.encode() in p.read_bytes()]
+        assert "engine on cpu for 127.0.0.1:" in (tmp_path / "service.log").read_text()

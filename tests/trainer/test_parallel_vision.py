@@ -21,7 +21,7 @@ from grouprl.trainer.models import load_causal_lm
 from grouprl.trainer.parallel import Ranks, decoder_layers, sync_pass
 from grouprl.trainer.setup import check_parallel
 from grouprl.vision.families import family_class, is_vision_config
-from helpers import run_grouprl
+from helpers import run_grouprl, train_here
 from vision_helpers import colours, tiny_vlm
 
 WITH_IMAGE = (0, 3, 4, 5)  # rows of the 8 training prompts that keep their image
@@ -51,7 +51,10 @@ BLOCKS = {
 
 
 def train(config, ranks: int, *overrides):
-    run_grouprl(ranks, "train", str(config), *SETTINGS, *overrides)
+    if ranks == 1:  # the numbers of a process of its own on one thread, seconds sooner
+        train_here(config, *SETTINGS, *overrides)
+    else:
+        run_grouprl(ranks, "train", str(config), *SETTINGS, *overrides)
 
 
 def mixed_run(root, family):

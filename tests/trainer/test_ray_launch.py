@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from test_parallel import SETTINGS, assert_same_run, reference_run, setup, train  # noqa: F401 (setup: a fixture)
+from test_parallel import SETTINGS, assert_same_run, reference_run, setup  # noqa: F401 (setup: a fixture)
 
 from grouprl.cli import main
 from grouprl.config import load_config
 from grouprl.errors import DataError, UserError
 from grouprl.trainer.launch import _secrets, _user_error, placement
-from helpers import free_port
+from helpers import free_port, run_grouprl
 from test_cli import no_model_load, one_line_error  # noqa: F401 (no_model_load: a fixture)
 
 
@@ -124,7 +124,7 @@ def test_ray_workers_equal_one_process(setup, ray_cluster, monkeypatch):  # noqa
     ray = ["trainer.launcher=ray", "trainer.ray_workers=2", "trainer.output_dir=runs"]
 
     one = reference_run(config, root)  # the one-process run (test_parallel.py's, when it ran)
-    done = train(config, 1, "trainer.experiment_name=ray", *ray)
+    done = run_grouprl(1, "train", str(config), *SETTINGS, "trainer.experiment_name=ray", *ray)  # the driver
     assert "training on 2 Ray workers (CPU)" in done.stderr
     two = root / "runs" / "ray"
     assert_same_run(one, two, root / "model")

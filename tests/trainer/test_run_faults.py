@@ -22,7 +22,7 @@ from grouprl.config import load_config
 from grouprl.rewards.composite import JudgeUnavailableError
 from grouprl.trainer.checkpoint import MANIFEST, CheckpointManager, problem
 from grouprl.trainer.trainer import Trainer
-from helpers import free_port
+from helpers import free_port, run_grouprl
 from rewards.judges.fake_server import FakeJudgeServer, Reply
 
 
@@ -329,7 +329,7 @@ def test_a_judge_down_stops_every_rank_alike_saved(tmp_path):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         stopped = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         down.clear()
-        done = train(config, 1, *settings)
+        done = run_grouprl(1, "train", str(config), *SETTINGS, *settings)  # the CLI's report of the resume
     run = tmp_path / "runs" / "run"
     line = (
         "grouprl: error: judge 'test' failed 16 of 16 calls (more than reward.max_failed_share=0.5; last error: "

@@ -403,7 +403,12 @@ def build(cfg: Config) -> Parts:
     if cfg.rollout.max_staleness:
         # generation ahead of the update samples from the copy; the trainer's own built-in
         # engine, on the current weights, serves evaluation
-        if cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
+        if cfg.rollout.engine_address:  # an engine service's process, on another machine
+            from grouprl.rollout.engines.process import EngineProcess
+
+            load = functools.partial(generation_engine, cfg, model_path, dtype=dtype, rollout_dtype=rollout_dtype)
+            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
+        elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
             from grouprl.rollout.engines.process import EngineProcess
 
             where = cfg.rollout.engine_device or str(device)

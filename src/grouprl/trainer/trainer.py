@@ -214,7 +214,7 @@ class Trainer:
             return self.collector.collect(self.step)
         except (JudgeUnavailableError, EngineProcessEnded) as e:
             pre = self._pre_step_state
-            once = "once the judge answers" if isinstance(e, JudgeUnavailableError) else "(a new engine process starts)"
+            once = "once the judge answers" if isinstance(e, JudgeUnavailableError) else e.resume
             if isinstance(e, EngineProcessEnded) and self.ranks.distributed:
                 raise
             if pre is not None and pre["step"] > 0:

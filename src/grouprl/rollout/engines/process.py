@@ -15,6 +15,12 @@ Sampling randomness travels with each request (row streams) and comes back advan
 continues its stream across turns as in one process: the same seed samples the same tokens as
 the in-process engine. A request waits for its answer while the process lives: an engine
 process that ends (killed, out of memory) is one error naming its exit code, never a hang.
+
+The engine process is spawned beside the trainer's (on 127.0.0.1), or, with an `address`, started
+on another machine by `grouprl engine serve` (`service.py`): the same requests then travel over
+TCP, after both sides prove they hold the same key (GROUPRL_ENGINE_KEY), and the weights over a
+group whose rendezvous the engine's side hosts. A connection that goes quiet is probed (TCP
+keep-alive), so an engine machine that goes away is an error within a minute, not a wait.
 """
 
 from __future__ import annotations
@@ -23,22 +29,31 @@ import contextlib
 import datetime
 import math
 import multiprocessing
+import os
+import pickle
+import socket
+import struct
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import grouprl
 from grouprl.errors import ModelLoadError, UserError
 from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams
 from grouprl.rollout.engines.streams import Randomness, RowStreams
 
-HOST = "127.0.0.1"  # the engine process runs beside the trainer's, on the same machine
+HOST = "127.0.0.1"  # a spawned engine process runs beside the trainer's, on the same machine
 START_TIMEOUT_S = 1800  # loading a large model (and vLLM's warm-up) may take minutes
+KEY_ENV = "GROUPRL_ENGINE_KEY"  # the secret a trainer and an engine service share
+PROTOCOL = 1  # what a trainer and an engine service speak; both sides check it
+HANDSHAKE_TIMEOUT_S = 30  # connecting and proving the key; a peer quiet for longer is gone
 
 
 class EngineProcessError(RuntimeError):
@@ -46,26 +61,76 @@ class EngineProcessError(RuntimeError):
 
 
 class EngineProcessEnded(UserError):
-    """The engine process ended (killed, out of memory) or never started: the run stops, saved."""
+    """The engine process ended (killed, out of memory), never started, or its service cannot be
+    reached: the run stops, saved. `resume`: what the run's one line says about resuming."""
+
+    resume = "(a new engine process starts)"
 
 
-def weights_backend(trainer_device, engine_device) -> str:
+def weights_backend(trainer_device, engine_device, same_machine: bool = True) -> str:
     """How the weights travel: NCCL from one GPU to another, gloo (through host memory) where
     either side is a CPU or both are the same GPU (NCCL joins one rank per device)."""
     a, b = torch.device(trainer_device), torch.device(engine_device)
-    if a.type == b.type == "cuda" and (a.index or 0) != (b.index or 0):
+    if a.type == b.type == "cuda" and (not same_machine or (a.index or 0) != (b.index or 0)):
         return "nccl"
     return "gloo"
 
 
-def _group(store, rank: int, timeout_s: float, backend: str = "gloo"):
-    """The two processes' group over `store`: gloo on the loopback, or NCCL between two GPUs."""
+def engine_key() -> bytes:
+    """The secret from GROUPRL_ENGINE_KEY (never a config key: it would be in config dumps)."""
+    key = os.environ.get(KEY_ENV, "")
+    if not key:
+        raise UserError(
+            f"set {KEY_ENV} to a secret of your choosing on both machines: the engine service and the "
+            "trainers it serves prove to each other that they hold it"
+        )
+    return key.encode()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'host:port' (an IPv6 host in brackets) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"an engine service address is host:port (got {address!r})")
+    return host.strip("[]"), int(port)
+
+
+def keep_alive(conn: Connection, idle_s: int = 20, interval_s: int = 10, probes: int = 3) -> None:
+    """Probe a quiet TCP connection, so that a peer whose machine went away is found (an error on
+    the next read) within idle + interval x probes seconds instead of never."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", probes)):
+            if hasattr(socket, name):  # Linux; other systems keep their defaults
+                s.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+@contextlib.contextmanager
+def read_timeout(conn: Connection, seconds: float):
+    """Reads on `conn` fail after `seconds` of silence (the handshake: a peer that connects and
+    says nothing must not hold the other side)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+        try:
+            yield
+        finally:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+
+
+def local_address(conn: Connection) -> str:
+    """This side's IP address on `conn` (the one the other side reaches it at)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        return s.getsockname()[0]
+
+
+def _group(store, rank: int, timeout_s: float, backend: str = "gloo", host: str = HOST):
+    """The two processes' group over `store`: gloo over `host`'s interface, or NCCL between two GPUs."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = datetime.timedelta(seconds=timeout_s)
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
@@ -80,17 +145,24 @@ def _drawn(generator: Randomness):
     return generator._drawn if isinstance(generator, RowStreams) else None
 
 
-def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int, backend: str = "gloo") -> None:
+def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int | None,
+          backend: str = "gloo", host: str = HOST) -> None:  # fmt: skip
     """The engine process: `build()` gives (engine, its model, a context each request runs in);
-    then requests from `conn` until "close" or the trainer's end."""
+    then requests from `conn` until "close" or the trainer's end. The weights' group meets at the
+    trainer's store on `port`, or (port None: an engine service's) at a store hosted here on `host`."""
     try:
         engine, model, context = build()
         device = next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        store = dist.TCPStore(HOST, port, 2, is_master=False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        conn.send(("ready", {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}))
-        group = _group(store, 1, START_TIMEOUT_S, backend)  # joined by both processes at once
+        timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
+        if port is None:
+            store = dist.TCPStore(host, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+        else:
+            store = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
+        ready = {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}
+        conn.send(("ready", {**ready, "store_port": store.port, "backend": backend, "pid": os.getpid()}))
+        group = _group(store, 1, START_TIMEOUT_S, backend, host)  # joined by both processes at once
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
@@ -153,31 +225,72 @@ class _Session:
         self.owner._ask("release", (self.key, row))
 
 
+def connect(address: str, key: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Connection:
+    """A connection to the engine service at `address`, each side having proved it holds `key`.
+    Every failure is one line: unreachable, refused, or a key that differs."""
+    host, port = split_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as e:
+        raise EngineProcessEnded(
+            f"cannot reach the rollout engine service at {address} ({e.strerror or e}): start it there "
+            "with `grouprl engine serve`, or check rollout.engine_address"
+        ) from None
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    keep_alive(conn)
+    try:
+        with read_timeout(conn, timeout_s):
+            answer_challenge(conn, key)
+            deliver_challenge(conn, key)
+    except AuthenticationError:
+        conn.close()
+        raise UserError(f"the rollout engine service at {address} holds another key: set {KEY_ENV} to its key") from None
+    except (OSError, EOFError) as e:
+        conn.close()
+        raise EngineProcessEnded(f"the rollout engine service at {address} did not answer ({e})") from None
+    return conn
+
+
 class EngineProcess:
     """The RolloutEngine the trainer's process talks to (see the module docstring). `model`: the
     trainer-side copy whose weights are pushed; `changing`: the names of the weights an update
     changes (pushed after the first, whole push); `build`: a picklable callable the engine
-    process runs to load its copy and engine; `device`: the trainer's."""
+    process runs to load its copy and engine (called with `device=` the service's, where
+    `address` names one); `device`: the trainer's."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device, engine_device=None):
+    def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device,
+                 engine_device=None, address: str | None = None):  # fmt: skip
         self.model, self.tokenizer, self.changing = model, tokenizer, list(changing)
         self._device = torch.device(device)
-        self.backend = weights_backend(device, engine_device or device)
+        self.address, self.process = address, None
         self._lock = threading.RLock()  # one request on the pipe at a time
         self.prefill_tokens = 0
         self.push_seconds = 0.0
         self._pushed_once = False
         self._sessions = 0
-        store = dist.TCPStore(HOST, 0, 2, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))  # fmt: skip
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, build, store.port, self.backend),
-                                   name="grouprl-engine", daemon=True)  # fmt: skip
-        self.process.start()
-        child.close()
-        first = self._receive(START_TIMEOUT_S, starting=True)
-        self.group = _group(store, 0, START_TIMEOUT_S, self.backend)
+        timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
+        if address:  # an engine service's, on another machine
+            self.conn = connect(address, engine_key())
+            hello = {"protocol": PROTOCOL, "version": grouprl.__version__, "trainer_device": str(self._device),
+                     "build": pickle.dumps(build)}  # fmt: skip
+            self._send("hello", hello)
+            first = self._receive(START_TIMEOUT_S, starting=True)
+            store = dist.TCPStore(split_address(address)[0], first["store_port"], 2, is_master=False, timeout=timeout)
+            here = local_address(self.conn)
+        else:  # spawned here
+            store = dist.TCPStore(HOST, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+            backend = weights_backend(device, engine_device or device)
+            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+            self.conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=serve, args=(child, build, store.port, backend),
+                                       name="grouprl-engine", daemon=True)  # fmt: skip
+            self.process.start()
+            child.close()
+            first = self._receive(START_TIMEOUT_S, starting=True)
+            here = HOST
+        self.backend, self.pid = first["backend"], first["pid"]
+        self.group = _group(store, 0, START_TIMEOUT_S, self.backend, here)
         self._store = store  # the group's rendezvous: it lives as long as the group
         self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
 
@@ -211,8 +324,7 @@ class EngineProcess:
                     t = t.contiguous() if self.backend == "nccl" else t.to("cpu").contiguous()
                     _broadcast(self.group, t.reshape(-1).view(torch.uint8))
             except RuntimeError:  # the other side went away mid-push: say so, not gloo's words
-                self.process.join(timeout=5)
-                if not self.process.is_alive():
+                if self._gone(wait_s=5):
                     raise self._ended() from None
                 raise
             self._receive()
@@ -226,7 +338,15 @@ class EngineProcess:
         self._ask("end_rollout", ())
 
     def close(self) -> None:
-        """Stop the engine process (at the run's end; it also ends with the trainer's)."""
+        """Stop the engine process (at the run's end; it also ends with the trainer's, and a
+        service's engine with its trainer's connection)."""
+        if self.process is None:  # a service's: closed once its end closes the connection (its device free)
+            with contextlib.suppress(Exception):
+                self._ask("close", ())
+                if self.conn.poll(30):
+                    self.conn.recv()
+            self.conn.close()
+            return
         if self.process.is_alive():
             with contextlib.suppress(Exception):
                 self._ask("close", ())
@@ -252,7 +372,7 @@ class EngineProcess:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if not self.conn.poll(1.0):
-                if not self.process.is_alive():
+                if not self._alive():
                     raise self._ended()
                 if deadline is not None and time.monotonic() > deadline:
                     raise EngineProcessEnded(f"the rollout engine process did not start within {timeout_s:.0f} s")
@@ -268,9 +388,12 @@ class EngineProcess:
                 continue
             if kind == "error":
                 _, name, text, trace = message
+                where = f" at {self.address}" if self.address else ""
+                if name == "EngineProcessEnded":  # a service that cannot take this trainer
+                    raise EngineProcessEnded(text)
                 if name in ("ModelLoadError", "UserError"):
-                    raise ModelLoadError(text)
-                raise EngineProcessError(f"rollout engine process: {name}: {text}\n{trace}")
+                    raise ModelLoadError(f"{text} (the rollout engine{where})" if where else text)
+                raise EngineProcessError(f"rollout engine process{where}: {name}: {text}\n{trace}")
             if kind == "ready" and starting:
                 return message[1]
             _, result, drawn, prefill = message
@@ -279,6 +402,31 @@ class EngineProcess:
             self.prefill_tokens = prefill
             return result
 
+    def _alive(self) -> bool:
+        """A spawned process's liveness; a service's engine is found gone by its connection's end
+        (a closed socket, or keep-alive probes unanswered)."""
+        return self.process is None or self.process.is_alive()
+
+    def _gone(self, wait_s: float) -> bool:
+        """Whether the engine process has ended, waiting up to `wait_s` for its end to show (a
+        service's: its connection closed)."""
+        if self.process is not None:
+            self.process.join(timeout=wait_s)
+            return not self.process.is_alive()
+        try:
+            if self.conn.poll(wait_s):
+                self.conn.recv()  # a last word: it is there still
+        except (EOFError, OSError):
+            return True
+        return False
+
     def _ended(self) -> EngineProcessEnded:
+        if self.process is None:
+            ended = EngineProcessEnded(
+                f"the rollout engine at {self.address} closed the connection (its engine process ended, or the "
+                "machine went away: see the engine service's output)"
+            )
+            ended.resume = f"once the engine service at {self.address} answers (it starts a new engine)"
+            return ended
         self.process.join(timeout=5)
         return EngineProcessEnded(f"the rollout engine process ended (exit code {self.process.exitcode})")

@@ -1,0 +1,171 @@
+"""The rollout engine service (`grouprl engine serve`, a process of its own, here on 127.0.0.1
+as it would be on another machine): each trainer that proves the key gets an engine process on
+a device of its own that samples what the engine in the trainer's process samples, weights
+pushed over the two processes' group reaching it; every way a connection can go wrong is one
+line (no key, another key, nobody listening, no free device, the engine killed), and the
+service goes on serving: a silent peer holds nobody, a freed device serves the next trainer."""
+
+import os
+import re
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from grouprl.cli import main
+from grouprl.errors import UserError
+from grouprl.rollout.engines.base import SamplingParams
+from grouprl.rollout.engines.hf import HFEngine
+from grouprl.rollout.engines.process import EngineProcess, EngineProcessEnded, split_address
+from grouprl.rollout.engines.streams import RowStreams
+from helpers import ENGINE_KEY, free_port, random_prompts, start_engine_service, tiny_model_and_tokenizer
+
+KEY = ENGINE_KEY
+SAMPLE = SamplingParams(max_new_tokens=6, temperature=1.0)
+
+
+def build_engine(device):
+    """What the service's engine runs (the trainer sends it): the tiny model of seed 0 on `device`."""
+    import contextlib
+
+    model, tokenizer = tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+    return HFEngine(model.to(device), tokenizer, report_log_probs=True), model, contextlib.nullcontext
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    log = tmp_path_factory.mktemp("service") / "service.log"
+    address, proc = start_engine_service(log)
+    yield address, log
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0  # stopped cleanly, its engines with it
+
+
+@pytest.fixture(scope="module")
+def local():
+    model, tokenizer = tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+    return HFEngine(model, tokenizer, report_log_probs=True)
+
+
+@pytest.fixture
+def key(monkeypatch):
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY)
+
+
+def connect(local, address) -> EngineProcess:
+    changing = [name for name, _ in local.model.named_parameters() if "layers.1." in name]
+    return EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu", address=address)
+
+
+def rows(generations):
+    return [(g.token_ids, g.finish_reason, [round(x, 9) for x in g.log_probs]) for g in generations]
+
+
+def test_a_service_engine_samples_what_the_engine_here_does(service, local, key):
+    address, _ = service
+    silent = socket.create_connection(split_address(address))
+    remote = connect(local, address)  # the silent peer before it holds nobody
+    try:
+        assert remote.process is None and remote.backend == "gloo" and remote.pid != os.getpid()
+        prompts = random_prompts([3, 5, 2], len(local.tokenizer), seed=4)
+        remote.weights_updated(local.model)
+        here, there = RowStreams(7, range(6)), RowStreams(7, range(6))
+        groups = []
+        want = local.generate(prompts, 2, SAMPLE, here)
+        got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, rows(gens))))
+        assert rows(got) == rows(want) and len({tuple(g.token_ids) for g in want}) > 3
+        assert sorted(groups) == [(i, rows(want[2 * i : 2 * i + 2])) for i in range(3)]
+        assert (there._drawn == here._drawn).all()
+        # new weights (the changing ones) reach the engine there before the next request
+        original = {n: p.detach().clone() for n, p in local.model.named_parameters()}
+        try:
+            with torch.no_grad():
+                for name, p in local.model.named_parameters():
+                    if "layers.1." in name:
+                        p.mul_(3.0)
+            remote.weights_updated(local.model)
+            moved = rows(local.generate(prompts, 2, SAMPLE, here))
+            assert rows(remote.generate(prompts, 2, SAMPLE, there)) == moved
+        finally:
+            with torch.no_grad():
+                for name, p in local.model.named_parameters():
+                    p.copy_(original[name])
+    finally:
+        remote.close()
+        silent.close()
+
+
+def test_each_trainer_gets_an_engine_of_its_own_until_the_devices_run_out(service, local, key):
+    address, log = service
+    first, second = connect(local, address), connect(local, address)
+    try:
+        assert first.pid != second.pid
+        with pytest.raises(EngineProcessEnded, match=r"has no free device \(its 2 engines, on cpu, cpu, each serve a trainer\)"):
+            connect(local, address)
+    finally:
+        first.close()
+    third = connect(local, address)  # the device the first freed
+    third.close()
+    second.close()
+    assert re.search(r"engine on cpu for 127\.0\.0\.1:\d+ ended \(exit code 0\)", log.read_text())
+
+
+def test_an_engine_killed_there_is_one_line_and_the_next_trainer_gets_a_new_one(service, local, key):
+    address, _ = service
+    remote = connect(local, address)
+    remote.weights_updated(local.model)
+    os.kill(remote.pid, signal.SIGKILL)  # an engine that ran out of memory, say
+    started = time.monotonic()
+    with pytest.raises(EngineProcessEnded) as ended:
+        remote.generate(random_prompts([3], len(local.tokenizer), seed=1), 2, SAMPLE, RowStreams(1, range(2)))
+    assert time.monotonic() - started < 10
+    assert str(ended.value) == (
+        f"the rollout engine at {address} closed the connection (its engine process ended, or the machine went "
+        "away: see the engine service's output)"
+    )
+    assert ended.value.resume == f"once the engine service at {address} answers (it starts a new engine)"
+    remote.close()
+    again = connect(local, address)
+    again.close()
+
+
+def test_the_key_and_the_address_are_one_line_each(service, local, monkeypatch):
+    address, log = service
+    monkeypatch.delenv("GROUPRL_ENGINE_KEY", raising=False)
+    with pytest.raises(UserError, match=r"^set GROUPRL_ENGINE_KEY to a secret of your choosing on both machines"):
+        connect(local, address)
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", "not-" + KEY)
+    with pytest.raises(UserError) as refused:
+        connect(local, address)
+    assert str(refused.value) == (
+        f"the rollout engine service at {address} holds another key: set GROUPRL_ENGINE_KEY to its key"
+    )
+    assert KEY not in str(refused.value) and KEY not in log.read_text()
+    nobody = f"127.0.0.1:{free_port()}"
+    with pytest.raises(EngineProcessEnded) as unreachable:
+        connect(local, nobody)
+    assert str(unreachable.value) == (
+        f"cannot reach the rollout engine service at {nobody} (Connection refused): start it there with "
+        "`grouprl engine serve`, or check rollout.engine_address"
+    )
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY)
+    connect(local, address).close()  # the service went on serving
+    assert "holds another key" in log.read_text()
+
+
+def test_serve_refuses_what_it_cannot_serve_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY)
+    assert main(["engine", "serve", "--devices", "cpu,gpu:1", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "grouprl: error: --devices: 'gpu:1' is not cpu, cuda or cuda:N"
+    monkeypatch.delenv("GROUPRL_ENGINE_KEY")
+    assert main(["engine", "serve", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip().startswith("grouprl: error: set GROUPRL_ENGINE_KEY")
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["engine", "serve", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == f"grouprl: error: cannot listen on 127.0.0.1:{port}: Address already in use"
