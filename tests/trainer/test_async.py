@@ -284,7 +284,7 @@ def thread_run(tmp_path_factory, model_dir):
 
 
 def engine_settings(config, name, *extra):
-    overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=3", f"trainer.experiment_name={name}"]
+    overrides = [*COMMON, "rollout.max_staleness=1", "trainer.total_steps=4", f"trainer.experiment_name={name}"]
     return load_config(config, [*overrides, *extra])
 
 

@@ -55,7 +55,7 @@ def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, fam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])  # the source's and the embedded VLM's
 def test_rl_teaches_a_tiny_vlm_to_read_its_image(tmp_path, family):
     """The reward needs the image: a red image asks for "r", a blue one for "b", half of each in
     training and held out, so a policy that answers alike for both scores at most 0.5 on average.
@@ -64,7 +64,9 @@ def test_rl_teaches_a_tiny_vlm_to_read_its_image(tmp_path, family):
     Judged at the better of the two: at lr 1e-2 a run that has long answered every training image
     right gets its next nonzero gradient after many all-equal groups, which Adam scales up (its
     second moment has shrunk), and one such step threw a run back from 1.0 to 0.5 at step 79 on
-    one CPU (float rounding there took another path); the final figure must still beat the start."""
+    one CPU (float rounding there took another path); the final figure must still beat the start.
+    Qwen2-VL shares Qwen2.5-VL's processor and position path; its images reaching the update are
+    checked above and by the blind-update test below."""
     trainer = trainer_for(
         tmp_path, family, "rollout.n_agent=8", "actor.optim.lr=1e-2", "trainer.total_steps=80",
         "trainer.test_freq=40", "trainer.save_best=false", "trainer.save_final=false", vision_init_std=0.2,
