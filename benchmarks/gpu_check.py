@@ -7,7 +7,7 @@ each in a fresh run folder, summarised in one markdown table.
     python benchmarks/gpu_check.py --device cpu --rows bf16 --steps 2 --no-write   # the plumbing only
 
 Rows (`--rows` takes names and groups: default = bf16,fp32; vllm = vllm0,vllm1,vllm2;
-async = async,asyncproc,asyncsplit; all):
+async = async,asyncproc,asyncsplit,asyncservice; all):
 - bf16: the built-in default recipe (SmolLM2-135M, arithmetic) with `actor.dtype=auto` (bf16 on a
   GPU) and `rollout.check_log_probs=true`: median step time (`time/step`, step 1 left out as
   warm-up), peak memory (`perf/peak_cuda_gb`), the sampler-vs-update log-prob mismatch
@@ -26,6 +26,9 @@ async = async,asyncproc,asyncsplit; all):
   engine process on cuda:1 (weights over NCCL; skipped with fewer than 2 GPUs): step time, the
   weight push (`time/weight_push`) and the mismatch (step 1 samples the update's own weights:
   float noise; later steps one version older).
+- asyncservice: the same with the engine of a `grouprl engine serve` started for the row on
+  127.0.0.1 (`rollout.engine_address`; requests over TCP as from another machine): on cuda:1
+  with 2+ GPUs (weights over NCCL), else on cuda:0 beside the trainer (gloo).
 - vlm: configs/vlm.yaml on the embedded VLM (`builtin:smolvlm-smollm2-135m`), 2 steps.
 
 A row that fails (an error, out of memory, its time limit) is recorded with its one-line reason and
@@ -47,6 +50,8 @@ import json
 import math
 import os
 import re
+import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -77,6 +82,7 @@ class Row:
     config: str | None = None  # a recipe file; None = the built-in default recipe
     needs: tuple[str, ...] = ()  # "cuda", "2 gpus", or a module that must import
     ranks: bool = False  # torchrun over every visible GPU against one process
+    service: bool = False  # a `grouprl engine serve` started for the row, its address set
 
 
 ROWS = [
@@ -132,6 +138,14 @@ ROWS = [
         )
     ),
     Row(
+        "asyncservice",
+        "one step off policy, engine of `grouprl engine serve` (cuda:1, NCCL; one GPU: cuda:0, gloo)",
+        ["rollout.max_staleness=1", "actor.dtype=float32", "rollout.dtype=float32"],
+        4,
+        needs=("cuda",),
+        service=True,
+    ),
+    Row(
         "vlm",
         "embedded VLM (configs/vlm.yaml)",
         ["model.path=builtin:smolvlm-smollm2-135m"],
@@ -142,7 +156,7 @@ ROWS = [
 GROUPS = {
     "default": ["bf16", "fp32"],
     "vllm": ["vllm0", "vllm1", "vllm2"],
-    "async": ["async", "asyncproc", "asyncsplit"],
+    "async": ["async", "asyncproc", "asyncsplit", "asyncservice"],
     "all": [r.name for r in ROWS],
 }
 
@@ -573,7 +587,43 @@ def train(row: Row, name: str, overrides: list[str], work: Path, timeout: float,
     return code, output, limit, metrics, rollouts, shlex.join(command)
 
 
-def run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus: int) -> Result:
+def start_service(log: Path, devices: str, timeout: float = 300) -> tuple[str, subprocess.Popen]:
+    """`grouprl engine serve --devices DEVICES` on 127.0.0.1 (any free port), a fresh key in this
+    process's environment (the row's run inherits it); (its address, its process)."""
+    os.environ.setdefault("GROUPRL_ENGINE_KEY", secrets.token_hex(16))
+    command = [sys.executable, "-m", "grouprl", "engine", "serve", "--port", "0", "--devices", devices]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith("engine service on "):
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError(f"the engine service did not start: {log.read_text()[-500:]!r}")
+    return line.split()[3], proc
+
+
+def run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus: int, device: str = "cuda") -> Result:
+    if not row.service:
+        return _run_row(row, overrides, work, timeout, n_gpus)
+    devices = "cpu" if device == "cpu" else "cuda:1" if n_gpus >= 2 else "cuda:0"
+    try:
+        address, service = start_service(work / f"{row.name}-service.log", devices)
+    except RuntimeError as e:
+        return Result(row, "failed", str(e))
+    try:
+        result = _run_row(row, [*overrides, f"rollout.engine_address={address}"], work, timeout, n_gpus)
+    finally:
+        service.terminate()
+        try:
+            service.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(service.pid, signal.SIGKILL)
+    result.details.append(f"engine service on {devices}")
+    return result
+
+
+def _run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus: int) -> Result:
     result = Result(row)
     reason = None
     with GpuMemory() as gpu:
@@ -658,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             started = time.perf_counter()
             overrides = [*common_overrides(steps, args.device), *every, *own]
-            result = run_row(row, overrides, work, args.timeout, n_gpus)
+            result = run_row(row, overrides, work, args.timeout, n_gpus, args.device)
             result.notes.append(f"{time.perf_counter() - started:.0f} s in all")
         result.steps, result.own = steps, own
         results.append(result)

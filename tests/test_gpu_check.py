@@ -102,7 +102,7 @@ def test_failure_reasons_are_one_line():
 def test_rows_groups_and_sets():
     assert [r.name for r in gpu_check.select_rows("default,vlm")] == ["bf16", "fp32", "vlm"]
     assert [r.name for r in gpu_check.select_rows("vllm2,ranks")] == ["ranks", "vllm2"]
-    assert [r.name for r in gpu_check.select_rows("async")] == ["async", "asyncproc", "asyncsplit"]
+    assert [r.name for r in gpu_check.select_rows("async")] == ["async", "asyncproc", "asyncsplit", "asyncservice"]
     assert len(gpu_check.select_rows("all")) == len(gpu_check.ROWS)
     with pytest.raises(ValueError, match="unknown row 'bogus'"):
         gpu_check.select_rows("bf16,bogus")
@@ -211,3 +211,26 @@ def test_no_write_and_nothing_by_default_on_the_cpu(tmp_path, capsys, monkeypatc
     assert gpu_check.main(argv) == 0  # no --out on a CPU: the default page is not written
     assert not gpu_check.RESULTS.exists()
     assert "| lora4bit | " in capsys.readouterr().out
+
+
+def test_the_engine_service_row_serves_its_run_from_a_service_of_its_own(tmp_path, monkeypatch):
+    """`asyncservice` (on the CPU here): a `grouprl engine serve` started for the row, the run's
+    engine there (`rollout.engine_address`, the key through the environment), stopped after it."""
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", "a-key-for-this-test")
+    model = tmp_path / "model"
+    tiny_model_and_tokenizer(model, init_std=0.02)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    row = {r.name: r for r in gpu_check.ROWS}["asyncservice"]
+    overrides = [
+        *gpu_check.common_overrides(3, "cpu"), f"model.path={model}", f"data.train_files=[{data}]",
+        "reward.components=[{name: contains_integer}]", "reward.val_metric=contains_integer",
+        "rollout.max_response_length=4", "data.train_batch_size=2", "rollout.n_agent=2", *row.overrides,
+    ]  # fmt: skip
+    result = gpu_check.run_row(row, overrides, tmp_path, 300, 0, device="cpu")
+    assert result.status == "ok", result.reason
+    assert result.summary["steps"] == 3 and result.details == ["engine service on cpu"]
+    versions = [m["rollout/policy_version"] for m in gpu_check.step_records(gpu_check.read_jsonl(tmp_path / "asyncservice" / "metrics.jsonl"))]
+    assert versions == [0, 0, 1]  # one step off policy, sampled there
+    assert "engine on cpu for 127.0.0.1:" in (tmp_path / "asyncservice-service.log").read_text()
+    assert "a-key-for-this-test" not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
