@@ -158,27 +158,35 @@ def test_the_search_agent_trains_on_vllm_turns(tmp_path, index_dir):
     assert {r["step"] for r in records} == {2} and all(r["turns"] for r in records)
 
 
-def test_one_step_off_policy_on_vllm_is_deterministic_and_pushes_between_batches(tmp_path, model_dir):
+def test_one_step_off_policy_on_vllm_is_deterministic_and_pushes_between_batches(tmp_path, model_dir, monkeypatch):
     """rollout.max_staleness=1 with vLLM generating: the generation side pushes each version it
     needs into vLLM between batches (the trainer's own weights serve evaluation), batches follow
-    the fixed lag, and two runs are the same run: the second with vLLM in an engine process of
-    its own (rollout.engine_process), fed the weights over a gloo group."""
-    runs, trainers = [], []  # both kept: an in-process engine's teardown ends the groups every engine uses
-    for name, process in (("a", "false"), ("b", "true")):
-        trainer = trainer_for(
-            tmp_path, model_dir, "rollout.max_staleness=1", "rollout.sleep_level=0", "trainer.total_steps=3",
-            "trainer.save_best=false", f"trainer.experiment_name={name}", f"rollout.engine_process={process}",
-        )  # fmt: skip
-        assert trainer.parts.ahead.engine is not trainer.engine and type(trainer.engine).__name__ == "HFEngine"
-        kind = "EngineProcess" if process == "true" else "VLLMEngine"
-        assert type(trainer.parts.ahead.engine).__name__ == kind
-        trainer.fit()
-        runs.append(tmp_path / "runs" / name)
-        trainers.append(trainer)
+    the fixed lag, and three runs are the same run: the second with vLLM in an engine process of
+    its own (rollout.engine_process), the third in an engine of `grouprl engine serve`
+    (rollout.engine_address), each fed the weights over a gloo group."""
+    from helpers import ENGINE_KEY, start_engine_service
+
+    address, service = start_engine_service(tmp_path / "service.log", devices="cpu")
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", ENGINE_KEY)
+    runs, trainers = [], []  # all kept: an in-process engine's teardown ends the groups every engine uses
+    try:
+        for name, where in (("a", []), ("b", ["rollout.engine_process=true"]), ("c", [f"rollout.engine_address={address}"])):
+            trainer = trainer_for(
+                tmp_path, model_dir, "rollout.max_staleness=1", "rollout.sleep_level=0", "trainer.total_steps=3",
+                "trainer.save_best=false", f"trainer.experiment_name={name}", *where,
+            )  # fmt: skip
+            assert trainer.parts.ahead.engine is not trainer.engine and type(trainer.engine).__name__ == "HFEngine"
+            assert type(trainer.parts.ahead.engine).__name__ == ("EngineProcess" if where else "VLLMEngine")
+            trainer.fit()
+            runs.append(tmp_path / "runs" / name)
+            trainers.append(trainer)
+    finally:
+        service.terminate()
+        service.wait(timeout=60)
     for run in runs:
         steps = [m for m in read_jsonl(run / "metrics.jsonl") if "actor/pg_loss" in m]
         assert [m["rollout/policy_version"] for m in steps] == [0, 0, 1]
         assert [m["time/weight_push"] > 1e-3 for m in steps] == [True, False, True]  # version 0 twice: one push
         assert steps[0]["rollout/mismatch_max"] < 1e-3  # vLLM sampled from the weights the update starts from
     records = [[(r["uid"], r["response"], r["version"]) for r in read_jsonl(run / "rollouts.jsonl")] for run in runs]
-    assert records[0] == records[1]
+    assert records[0] == records[1] == records[2]
