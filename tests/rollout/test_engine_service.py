@@ -159,6 +159,9 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(monkeypatch, capsys):
     monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY)
     assert main(["engine", "serve", "--devices", "cpu,gpu:1", "--port", "0"]) == 2
     assert capsys.readouterr().err.strip() == "grouprl: error: --devices: 'gpu:1' is not cpu, cuda or cuda:N"
+    if not torch.cuda.is_available():
+        assert main(["engine", "serve", "--devices", "cpu,cuda:0", "--port", "0"]) == 2
+        assert capsys.readouterr().err.strip() == "grouprl: error: --devices: cuda:0 is not on this machine (0 CUDA devices visible)"
     monkeypatch.delenv("GROUPRL_ENGINE_KEY")
     assert main(["engine", "serve", "--port", "0"]) == 2
     assert capsys.readouterr().err.strip().startswith("grouprl: error: set GROUPRL_ENGINE_KEY")

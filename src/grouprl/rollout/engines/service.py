@@ -32,6 +32,8 @@ from multiprocessing.connection import (
     deliver_challenge,
 )
 
+import torch
+
 import grouprl
 from grouprl.errors import UserError
 from grouprl.rollout.engines.process import (
@@ -61,6 +63,10 @@ class EngineService:
     def __init__(self, host: str, port: int, devices: list[str]):
         if not devices:
             raise UserError("--devices names at least one device (cpu, cuda or cuda:N)")
+        visible = torch.cuda.device_count()
+        for device in devices:
+            if device != "cpu" and (torch.device(device).index or 0) >= visible:
+                raise UserError(f"--devices: {device} is not on this machine ({visible} CUDA devices visible)")
         self.key = engine_key()
         self.devices = devices
         self.slots: list[multiprocessing.Process | None] = [None] * len(devices)
