@@ -654,6 +654,8 @@ class TrainerConfig:
     """Project name for wandb/TensorBoard."""
     save_freq: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
+    save_last: bool = True
+    """Checkpoint the end of the run (what continuing it later needs: weights, optimizer, sampler). false: only the save_freq ones (a quick trial whose final/ export is all it keeps; a full fine-tune's optimizer state is twice its weights)."""
     keep_last: int = 2
     """Checkpoints kept (older ones are deleted)."""
     resume_mode: Literal["auto", "disable", "path"] = "auto"

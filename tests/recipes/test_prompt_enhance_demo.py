@@ -23,7 +23,7 @@ def test_the_demo_loop_runs_and_reports(tmp_path):
         [
             "data.task_train_size=32", "data.task_val_size=3", "data.train_batch_size=2", "rollout.n_agent=4",
             "rollout.max_response_length=16", "trainer.total_steps=1", "trainer.test_freq=0", "trainer.save_freq=0",
-            "trainer.save_final=false", "trainer.save_best=false", f"trainer.output_dir={tmp_path / 'runs'}", "actor.dtype=float32",
+            "trainer.save_final=false", "trainer.save_best=false", "trainer.save_last=false", f"trainer.output_dir={tmp_path / 'runs'}", "actor.dtype=float32",
         ],
     )  # fmt: skip
     summary = Trainer(cfg).fit()

@@ -4,6 +4,7 @@ them, a reward that must really improve, LoRA, and the KL reference."""
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,18 +173,23 @@ def test_weights_change_and_stay_finite(tmp_path, model_dir):
 
 
 def test_summary_without_a_baseline(tmp_path, model_dir):
+    """Also: trainer.save_last=false writes no checkpoint at the end (the periodic ones stay)."""
     trainer = make_trainer(
         tmp_path,
         model_dir,
         "trainer.val_before_train=false",
-        "trainer.total_steps=1",
+        "trainer.total_steps=3",
+        "trainer.save_freq=2",
+        "trainer.save_last=false",
         "trainer.save_final=false",
     )
     summary = trainer.fit()
-    assert [h["step"] for h in trainer.history] == [1]
+    checkpoints = Path(summary["run_dir"]) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_2"]
+    assert [h["step"] for h in trainer.history] == [3]
     assert summary["baseline"] is None
     assert re.fullmatch(
-        r"eval accuracy: final \d\.\d\d after 1 steps \(no baseline evaluation\)", summary["line"]
+        r"eval accuracy: final \d\.\d\d after 3 steps \(no baseline evaluation\)", summary["line"]
     )
 
 

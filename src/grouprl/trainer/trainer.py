@@ -281,7 +281,8 @@ class Trainer:
                     self.save_checkpoint()
             if self.val_samples and (not self.history or self.history[-1]["step"] != self.step):
                 logs.log(self._evaluate_and_keep_best(logs), self.step)
-            self.save_checkpoint()
+            if c.save_last:
+                self.save_checkpoint()
             if c.save_final:
                 self._export(self.run_dir / "final", merge_lora=True, meta={"step": self.step})
         except KeyboardInterrupt:

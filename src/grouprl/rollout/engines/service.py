@@ -39,6 +39,7 @@ from grouprl.errors import UserError
 from grouprl.rollout.engines.process import (
     HANDSHAKE_TIMEOUT_S,
     PROTOCOL,
+    engine_context,
     engine_key,
     keep_alive,
     local_address,
@@ -48,7 +49,6 @@ from grouprl.rollout.engines.process import (
 )
 
 log = logging.getLogger("grouprl.engine")
-PRELOAD = ["torch", "transformers", "grouprl.rollout.engines.hf", "grouprl.rollout.engines.process"]
 SLOT_WAIT_S = 3  # how long a trainer waits for a device (one whose trainer went away may be ending)
 
 
@@ -76,10 +76,7 @@ class EngineService:
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.host, self.port = host, self.listener.address[1]
-        # engines fork from a server process that has imported torch and transformers once (and
-        # started no thread or device): each engine starts in a fraction of a second, not seconds
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)
+        self._ctx = engine_context()
         forkserver.ensure_running()  # now, so that the first trainer does not wait for its imports
         self._stopped = False
 
