@@ -92,30 +92,21 @@ def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_
         "CUDA graphs; asynchronous: up to 1 step(s) ahead of the update (fixed_lag), on a thread of its own over a "
         "whole copy of the policy on each rank"
     ) in out.splitlines()
-    code, out, err = run(
-        capsys, "train", "--dry-run", str(config), "rollout.max_staleness=2", "rollout.sleep_level=0",
-        "rollout.engine_process=true",
-    )  # fmt: skip
-    assert code == 0 and err == ""
-    assert any(
-        line.endswith(
+    for overrides, ending in (
+        (
+            ["rollout.max_staleness=2", "rollout.engine_process=true"],
             "asynchronous: up to 2 step(s) ahead of the update (fixed_lag), in an engine process of its own on the "
-            "trainer device (weights over gloo) over a whole copy of the policy on each rank"
-        )
-        for line in out.splitlines()
-    )
-    code, out, err = run(
-        capsys, "train", "--dry-run", str(config), "rollout.max_staleness=1", "rollout.sleep_level=0",
-        "rollout.engine_address=10.0.0.2:7100",
-    )  # fmt: skip
-    assert code == 0 and err == ""
-    assert any(
-        line.endswith(
+            "trainer device (weights over gloo) over a whole copy of the policy on each rank",
+        ),
+        (
+            ["rollout.max_staleness=1", "rollout.engine_address=10.0.0.2:7100"],
             "in an engine process of the engine service at 10.0.0.2:7100 (weights over torch.distributed) over a "
-            "whole copy of the policy on each rank"
-        )
-        for line in out.splitlines()
-    )
+            "whole copy of the policy on each rank",
+        ),
+    ):
+        code, out, err = run(capsys, "train", "--dry-run", str(config), "rollout.sleep_level=0", *overrides)
+        assert code == 0 and err == ""
+        assert any(line.endswith(ending) for line in out.splitlines())
 
 
 def test_dry_run_follows_overrides_and_warns_about_missing_data(capsys, tmp_path, no_model_load):

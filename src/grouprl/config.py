@@ -382,6 +382,7 @@ class RewardModelConfig:
     """clip: the similarity is multiplied by this (100 gives CLIP's usual logit scale)."""
 
 
+DEVICE = r"cpu|cuda(:\d+)?"  # a device string an engine takes (rollout.engine_device, grouprl engine serve)
 MODEL_PREFIX = "model:"
 
 
@@ -1325,7 +1326,7 @@ def validate(cfg: Config) -> Config:
         f"config key 'rollout.engine_address' must be host:port (got {cfg.rollout.engine_address!r})",
     )
     need(
-        re.fullmatch(r"(cpu|cuda(:\d+)?)?", cfg.rollout.engine_device) is not None,
+        re.fullmatch(rf"({DEVICE})?", cfg.rollout.engine_device) is not None,
         f"config key 'rollout.engine_device' must be cpu, cuda or cuda:N (got {cfg.rollout.engine_device!r})",
     )
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")

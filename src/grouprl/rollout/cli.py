@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from grouprl.config import DEVICE
 from grouprl.errors import ConfigError
 
 DEFAULT_PORT = 7100
@@ -37,10 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     for device in devices:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        if not re.fullmatch(DEVICE, device):
             raise ConfigError(f"--devices: {device!r} is not cpu, cuda or cuda:N")
-    if not devices:
-        raise ConfigError("--devices names at least one device (cpu, cuda or cuda:N)")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be from 0 to 65535, got {args.port}")
     return run(args.host, args.port, devices)

@@ -28,6 +28,7 @@ from grouprl.rewards.streaming import StreamingRewards
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
 from grouprl.rollout.engines import RolloutEngine, build_engine
+from grouprl.rollout.engines.process import EngineProcess
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
@@ -404,13 +405,9 @@ def build(cfg: Config) -> Parts:
         # generation ahead of the update samples from the copy; the trainer's own built-in
         # engine, on the current weights, serves evaluation
         if cfg.rollout.engine_address:  # an engine service's process, on another machine
-            from grouprl.rollout.engines.process import EngineProcess
-
             load = functools.partial(generation_engine, cfg, model_path, dtype=dtype, rollout_dtype=rollout_dtype)
             generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
         elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
-            from grouprl.rollout.engines.process import EngineProcess
-
             where = cfg.rollout.engine_device or str(device)
             share = torch.device(where).type == "cpu" and device.type == "cpu"
             load = functools.partial(generation_engine, cfg, model_path, where, dtype, rollout_dtype, share)

@@ -122,11 +122,9 @@ class EngineService:
         deadline = time.monotonic() + SLOT_WAIT_S
         while True:
             with self.lock:
-                free = [i for i, p in enumerate(self.slots) if p is None or not p.is_alive()]
-                if free:
-                    slot = free[0]
-                    self.slots[slot] = self._start(conn, slot, hello, peer)
-                    process = self.slots[slot]
+                slot = next((i for i, p in enumerate(self.slots) if p is None or not p.is_alive()), None)
+                if slot is not None:
+                    process = self.slots[slot] = self._start(conn, slot, hello, peer)
                     break
             if time.monotonic() > deadline:
                 busy = ", ".join(self.devices)
@@ -142,12 +140,11 @@ class EngineService:
 
     def _start(self, conn: Connection, slot: int, hello: dict, peer: str) -> multiprocessing.Process:
         """The engine process of device `slot` for the trainer on `conn`."""
-        device = self.devices[slot]
-        same_machine = peer.split(":")[0] in ("127.0.0.1", local_address(conn))
-        backend = weights_backend(hello["trainer_device"], device, same_machine)
+        device, here = self.devices[slot], local_address(conn)
+        backend = weights_backend(hello["trainer_device"], device, peer.split(":")[0] in ("127.0.0.1", here))
         keep_alive(conn)  # a trainer whose machine goes away frees the device
         process = self._ctx.Process(
-            target=_engine, args=(conn, hello["build"], device, backend, local_address(conn)),
+            target=_engine, args=(conn, hello["build"], device, backend, here),
             name=f"grouprl-engine-{slot}", daemon=True,
         )  # fmt: skip
         process.start()
