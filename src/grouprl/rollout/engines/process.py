@@ -54,6 +54,7 @@ START_TIMEOUT_S = 1800  # loading a large model (and vLLM's warm-up) may take mi
 KEY_ENV = "GROUPRL_ENGINE_KEY"  # the secret a trainer and an engine service share
 PROTOCOL = 1  # what a trainer and an engine service speak; both sides check it
 PRELOAD = ["torch", "transformers", "grouprl.rollout.engines.hf", "grouprl.rollout.engines.process"]
+WEIGHTS_TIMEOUT_S = 300  # the two processes' group (formed once the engine is loaded): one tensor's push
 HANDSHAKE_TIMEOUT_S = 30  # connecting and proving the key; a peer quiet for longer is gone
 
 
@@ -172,7 +173,7 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port
             store = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
         ready = {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}
         conn.send(("ready", {**ready, "store_port": store.port, "backend": backend, "pid": os.getpid()}))
-        group = _group(store, 1, START_TIMEOUT_S, backend, host)  # joined by both processes at once
+        group = _group(store, 1, WEIGHTS_TIMEOUT_S, backend, host)  # joined by both processes at once
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
@@ -300,7 +301,7 @@ class EngineProcess:
             first = self._receive(START_TIMEOUT_S, starting=True)
             here = HOST
         self.backend, self.pid = first["backend"], first["pid"]
-        self.group = _group(store, 0, START_TIMEOUT_S, self.backend, here)
+        self.group = _group(store, 0, WEIGHTS_TIMEOUT_S, self.backend, here)
         self._store = store  # the group's rendezvous: it lives as long as the group
         self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
 
@@ -332,7 +333,7 @@ class EngineProcess:
             try:
                 for t in tensors:
                     t = t.contiguous() if self.backend == "nccl" else t.to("cpu").contiguous()
-                    _broadcast(self.group, t.reshape(-1).view(torch.uint8))
+                    self._push(t.reshape(-1).view(torch.uint8))
             except RuntimeError:  # the other side went away mid-push: say so, not gloo's words
                 if self._gone(wait_s=5):
                     raise self._ended() from None
@@ -340,6 +341,23 @@ class EngineProcess:
             self._receive()
         self._pushed_once = True
         self.push_seconds += time.perf_counter() - t0
+
+    def _push(self, tensor: torch.Tensor) -> None:
+        """One tensor to the engine, waiting on the engine as well as on the group: a kill in the
+        middle of a push once left gloo's broadcast waiting on a peer that was gone, so the wait
+        ends with the engine's end, or with its error (its last word on the connection)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        work = self.group.broadcast([tensor], options)
+        pause = 1e-4
+        while not work.is_completed():
+            if not self._alive():
+                raise self._ended()
+            if self.conn.poll(0):  # nothing is due before the push ends: an error, or the end
+                self._receive()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        work.wait()  # raises what the broadcast ended with
 
     def begin_rollout(self) -> None:
         self._ask("begin_rollout", ())
