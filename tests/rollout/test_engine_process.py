@@ -2,9 +2,12 @@
 process: the same samples from the same row streams, single calls and turns, each group handed
 back as it ends, weights pushed between turns reaching the next turn (the contexts stay there),
 an error there raised here with its traceback (the process goes on), and a process that ends
-one error naming its exit code, never a wait. Also how the weights travel (gloo or NCCL)."""
+one error naming its exit code, never a wait. Also how the weights travel (gloo or NCCL), and a
+push whose answer comes before this side sees its last send complete."""
 
 import contextlib
+import threading
+import time
 
 import pytest
 import torch
@@ -115,3 +118,54 @@ def test_a_process_that_ends_is_one_error_not_a_wait(local):
     with pytest.raises(EngineProcessEnded, match="exit code -9"):
         engine.weights_updated(local.model)
     engine.close()  # nothing left to stop
+
+
+class LateLastSend:
+    """The weights' group as a busy machine can show it: the push's last broadcast seen complete
+    here only after the engine has answered the push (it has every byte by then)."""
+
+    def __init__(self, group, conn, sends: int):
+        self.group, self.conn, self.left = group, conn, sends
+
+    def broadcast(self, tensors, options):
+        self.left -= 1
+        work = self.group.broadcast(tensors, options)
+        return LateWork(work, self.conn) if self.left == 0 else work
+
+
+class LateWork:
+    """Complete 50 ms after the engine's answer was first seen waiting (20 s if it never is)."""
+
+    def __init__(self, work, conn):
+        self.work, self.conn, self.since, self.answer_seen = work, conn, time.monotonic(), None
+
+    def is_completed(self):
+        if self.answer_seen is None and self.conn.poll(0):
+            self.answer_seen = time.monotonic()
+        late = self.answer_seen is not None and time.monotonic() - self.answer_seen > 0.05
+        return self.work.is_completed() and (late or time.monotonic() - self.since > 20)
+
+    def wait(self):
+        return self.work.wait()
+
+
+def test_an_answer_that_comes_before_the_last_send_shows_complete_ends_the_push(local):
+    """The push's answer read while it waited on its last send is its answer (it was once read
+    there and then waited for again: a run that never ended)."""
+    changing = [name for name, _ in local.model.named_parameters() if "layers.1." in name]
+    engine = EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu")
+    try:
+        engine.weights_updated(local.model)  # the first, whole push
+        engine.group = LateLastSend(engine.group, engine.conn, len(changing))
+        push = threading.Thread(target=engine.weights_updated, args=(local.model,), daemon=True)
+        push.start()
+        push.join(timeout=60)
+        assert not push.is_alive(), "the push waited for an answer it had read"
+        assert engine.group.left == 0  # every changing weight went by the group
+        prompts = random_prompts([3, 4], len(local.tokenizer), seed=8)
+        assert rows(engine.generate(prompts, 2, SAMPLE, RowStreams(2, range(4)))) == rows(
+            local.generate(prompts, 2, SAMPLE, RowStreams(2, range(4)))
+        )
+    finally:
+        engine.process.kill()  # a push still waiting (a failure) sees the end and returns
+        engine.close()

@@ -330,34 +330,40 @@ class EngineProcess:
         tensors = [params[n].detach() for n in names]
         with self._lock:
             self._send("weights", [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)])
+            answered = False
             try:
                 for t in tensors:
                     t = t.contiguous() if self.backend == "nccl" else t.to("cpu").contiguous()
-                    self._push(t.reshape(-1).view(torch.uint8))
+                    answered = self._push(t.reshape(-1).view(torch.uint8))
             except RuntimeError:  # the other side went away mid-push: say so, not gloo's words
                 if self._gone(wait_s=5):
                     raise self._ended() from None
                 raise
-            self._receive()
+            if not answered:
+                self._receive()
         self._pushed_once = True
         self.push_seconds += time.perf_counter() - t0
 
-    def _push(self, tensor: torch.Tensor) -> None:
+    def _push(self, tensor: torch.Tensor) -> bool:
         """One tensor to the engine, waiting on the engine as well as on the group: a kill in the
         middle of a push once left gloo's broadcast waiting on a peer that was gone, so the wait
-        ends with the engine's end, or with its error (its last word on the connection)."""
+        ends with the engine's end, or with its error (its last word on the connection). True
+        when the engine's answer to the push came during the wait: it may, for the last tensor,
+        before this side sees its send complete (the answer is then not waited for again)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
         work = self.group.broadcast([tensor], options)
-        pause = 1e-4
+        pause, answered = 1e-4, False
         while not work.is_completed():
             if not self._alive():
                 raise self._ended()
-            if self.conn.poll(0):  # nothing is due before the push ends: an error, or the end
+            if not answered and self.conn.poll(0):  # its error (raised), or its answer: it has every byte
                 self._receive()
+                answered = True
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
         work.wait()  # raises what the broadcast ended with
+        return answered
 
     def begin_rollout(self) -> None:
         self._ask("begin_rollout", ())
