@@ -7,6 +7,7 @@ up; a tiny model still learns."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -348,3 +349,45 @@ def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_do
     if where == "service":  # the key lives in the environment only: no file of the run holds it
         assert not [p for p in run.rglob("*") if p.is_file() and ENGINE_KEY.encode() in p.read_bytes()]
         assert "engine on cpu for 127.0.0.1:" in (tmp_path / "service.log").read_text()
+
+
+def test_a_trainer_waiting_long_for_its_batch_says_so_and_where_the_threads_are(monkeypatch, caplog):
+    """take() waits as long as the batch takes (a judge may be slow), and says so every
+    STILL_WAITING_S: a run that is stuck is not silent. The threads' fault ends the wait."""
+    from grouprl.trainer import pipeline
+
+    monkeypatch.setattr(pipeline, "STILL_WAITING_S", 1.0)
+    release = threading.Event()
+    waiting = pipeline.RolloutPipeline.__new__(pipeline.RolloutPipeline)  # the state take() reads
+    waiting.cond, waiting.ready, waiting.error, waiting.started, waiting.scored = threading.Condition(), {}, None, 4, 3
+    waiting.threads = [
+        threading.Thread(target=release.wait, name="grouprl-generate", daemon=True),
+        threading.Thread(target=lambda: None, name="grouprl-score"),
+    ]
+    for thread in waiting.threads:
+        thread.start()
+    waiting.threads[1].join()
+
+    def fault():  # once take() has said so twice
+        deadline = time.monotonic() + 60
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with waiting.cond:
+            waiting.error = RuntimeError("the judge went away")
+            waiting.cond.notify_all()
+
+    caplog.set_level("WARNING", logger="grouprl.trainer.pipeline")
+    threading.Thread(target=fault, daemon=True).start()
+    try:
+        with pytest.raises(RuntimeError, match="the judge went away"):
+            waiting.take(3)
+    finally:
+        release.set()
+    said = [re.fullmatch(
+        r"step 3 has waited (\d+) s for its batch: the next batch to start is 4, the next to be scored 3 "
+        r"\(grouprl-generate running, grouprl-score ended\); generation or the rewards \(a judge\?\) are slow, or stuck",
+        r.getMessage(),
+    ) for r in caplog.records]  # fmt: skip
+    assert len(said) == 2 and all(said), [r.getMessage() for r in caplog.records]
+    first, second = (int(m.group(1)) for m in said)
+    assert 1 <= first and first + 1 <= second  # every STILL_WAITING_S (1 s here), the wait so far

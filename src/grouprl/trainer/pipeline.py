@@ -47,6 +47,8 @@ from grouprl.trainer.step import Collector, StepBatch
 
 log = logging.getLogger(__name__)
 
+STILL_WAITING_S = 300.0  # the trainer waiting this long for a batch says so (and again after as long)
+
 
 def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the weights an update changes (by name), detached; several ranks: whole
@@ -138,10 +140,15 @@ class RolloutPipeline:
             self.cond.notify_all()
 
     def take(self, step: int) -> StepBatch:
-        """Batch `step`, once generated and scored (a fault on the other threads is raised here)."""
+        """Batch `step`, once generated and scored (a fault on the other threads is raised here).
+        A wait of STILL_WAITING_S or more says so in the log, with where the threads are."""
+        since = report = time.monotonic()
         with self.cond:
             while step not in self.ready and self.error is None:
                 self.cond.wait(timeout=1.0)
+                if time.monotonic() - report >= STILL_WAITING_S:
+                    report = time.monotonic()
+                    self._still_waiting(step, report - since)
             if self.error is not None:
                 raise self.error
             batch = self.ready.pop(step)
@@ -162,6 +169,14 @@ class RolloutPipeline:
         if turn_versions:  # partial rollouts: turns that took newer weights than their first
             batch.metrics["rollout/turn_versions"] = float(len(set(turn_versions)))
         return batch
+
+    def _still_waiting(self, step: int, seconds: float) -> None:
+        threads = ", ".join(f"{t.name} {'running' if t.is_alive() else 'ended'}" for t in self.threads)
+        log.warning(
+            "step %d has waited %.0f s for its batch: the next batch to start is %d, the next to be scored %d "
+            "(%s); generation or the rewards (a judge?) are slow, or stuck",
+            step, seconds, self.started, self.scored, threads,
+        )  # fmt: skip
 
     def state(self, step: int) -> dict[str, Any]:
         """What a checkpoint taken after `step` steps needs to go on as this run would: the
