@@ -13,11 +13,17 @@ TORCH_INDEX ?=
 
 .PHONY: setup setup-vllm train test bench gpu-check lint clean
 
+# before a virtualenv is built: a line when the disk has less free than `make test` needs (README)
+DISK_GB := 10
+check-disk = @free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(DISK_GB) ]; then echo "warning: $$free GB free on this disk; make test needs about $(DISK_GB) GB (README, Quick start)" >&2; fi
+
 setup: $(STAMP)
 
 setup-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	$(check-disk)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
@@ -31,6 +37,7 @@ $(STAMP): pyproject.toml constraints.txt
 # leaves out the torchvision/torchaudio/torchcodec its metadata names (CUDA builds on the index
 # that break `import vllm` on a CPU torch; nothing here needs them).
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	$(check-disk)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -r constraints-vllm.txt
