@@ -6,8 +6,11 @@ one error naming its exit code, never a wait. Also how the weights travel (gloo 
 push whose answer comes before this side sees its last send complete."""
 
 import contextlib
+import functools
+import os
 import threading
 import time
+from multiprocessing import forkserver
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from grouprl.rollout.engines.process import (
     EngineProcess,
     EngineProcessEnded,
     EngineProcessError,
+    engine_context,
     weights_backend,
 )
 from grouprl.rollout.engines.streams import RowStreams
@@ -168,4 +172,28 @@ def test_an_answer_that_comes_before_the_last_send_shows_complete_ends_the_push(
         )
     finally:
         engine.process.kill()  # a push still waiting (a failure) sees the end and returns
+        engine.close()
+
+
+def build_seeing(name, value):
+    """build_engine, where the environment has `name` = `value` (else the start fails)."""
+    if os.environ.get(name) != value:
+        raise RuntimeError(f"{name} is {os.environ.get(name)!r} here")
+    return build_engine()
+
+
+def test_an_engine_takes_the_environment_of_its_start(local, monkeypatch):
+    """Engines fork from a server that imported torch once, maybe before the environment
+    changed (a variable set since): the engine still sees the trainer's environment as it is."""
+    engine_context()
+    forkserver.ensure_running()
+    monkeypatch.setenv("GROUPRL_TEST_SET_LATE", "yes")
+    engine = EngineProcess(local.model, local.tokenizer, functools.partial(build_seeing, "GROUPRL_TEST_SET_LATE", "yes"), [], "cpu")
+    try:
+        engine.weights_updated(local.model)
+        prompts = random_prompts([3], len(local.tokenizer), seed=9)
+        assert rows(engine.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == rows(
+            local.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))
+        )
+    finally:
         engine.close()

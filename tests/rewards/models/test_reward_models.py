@@ -1,9 +1,11 @@
 """Reward models in their worker process: a tiny sequence classifier saved to a folder and
 loaded by path (the real from_pretrained path), scores equal to the model run in the test,
 batching of concurrent items, one line when a model cannot load, and a worker that dies
-giving fallbacks (counted) instead of a hang."""
+giving fallbacks (counted) instead of a hang. Workers fork from a server that may have started
+before the environment changed: they take the environment of their own start."""
 
 import logging
+from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from grouprl.config import RewardComponentConfig, RewardConfig, RewardModelConfi
 from grouprl.data.sample import Sample
 from grouprl.errors import ConfigError, UserError
 from grouprl.rewards import CompositeReward
+from grouprl.rewards.models.client import worker_context
 from grouprl.rollout.trajectory import Trajectory
 from helpers import char_tokenizer, tiny_config
 from rewards.models.tiny_image_models import tiny_clip_dir, tiny_pipeline_dir
@@ -271,6 +274,8 @@ class FakeImageService:
 
 def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(image_models, tmp_path, monkeypatch, caplog):
     _, clip = image_models
+    worker_context()
+    forkserver.ensure_running()  # the worker's server started before the key is set: the worker still reads it
     monkeypatch.setenv("IMAGE_KEY", "sk-secret-123")
     service = FakeImageService("sk-secret-123")
     config = RewardConfig(

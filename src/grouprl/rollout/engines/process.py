@@ -81,7 +81,9 @@ def weights_backend(trainer_device, engine_device, same_machine: bool = True) ->
 def engine_context():
     """Where engine processes start: forked from a server process that imported torch and
     transformers once and started no thread or device (so no forked threads or CUDA state): an
-    engine after the first starts in a fraction of a second instead of an interpreter's seconds."""
+    engine after the first starts in a fraction of a second instead of an interpreter's seconds.
+    The server is one a process (the reward-model worker starts from it too); an engine takes
+    the environment of the trainer at its start (`serve`)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -157,10 +159,15 @@ def _drawn(generator: Randomness):
 
 
 def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int | None,
-          backend: str = "gloo", host: str = HOST) -> None:  # fmt: skip
+          backend: str = "gloo", host: str = HOST, environ: dict[str, str] | None = None) -> None:  # fmt: skip
     """The engine process: `build()` gives (engine, its model, a context each request runs in);
     then requests from `conn` until "close" or the trainer's end. The weights' group meets at the
-    trainer's store on `port`, or (port None: an engine service's) at a store hosted here on `host`."""
+    trainer's store on `port`, or (port None: an engine service's) at a store hosted here on `host`.
+    `environ`: the trainer's environment when it started the engine (a forked process's is its
+    server's, from that server's start)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         engine, model, context = build()
         device = next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
@@ -294,7 +301,7 @@ class EngineProcess:
             backend = weights_backend(device, engine_device or device)
             ctx = engine_context()
             self.conn, child = ctx.Pipe()
-            self.process = ctx.Process(target=serve, args=(child, build, store.port, backend),
+            self.process = ctx.Process(target=serve, args=(child, build, store.port, backend, HOST, dict(os.environ)),
                                        name="grouprl-engine", daemon=True)  # fmt: skip
             self.process.start()
             child.close()
