@@ -10,18 +10,18 @@ import functools
 import os
 import threading
 import time
-from multiprocessing import forkserver
 
 import pytest
 import torch
 
+from grouprl.processes import start_server
 from grouprl.rollout.engines.base import SamplingParams
 from grouprl.rollout.engines.hf import HFEngine
 from grouprl.rollout.engines.process import (
+    PRELOAD,
     EngineProcess,
     EngineProcessEnded,
     EngineProcessError,
-    engine_context,
     weights_backend,
 )
 from grouprl.rollout.engines.streams import RowStreams
@@ -185,8 +185,7 @@ def build_seeing(name, value):
 def test_an_engine_takes_the_environment_of_its_start(local, monkeypatch):
     """Engines fork from a server that imported torch once, maybe before the environment
     changed (a variable set since): the engine still sees the trainer's environment as it is."""
-    engine_context()
-    forkserver.ensure_running()
+    start_server(PRELOAD)
     monkeypatch.setenv("GROUPRL_TEST_SET_LATE", "yes")
     engine = EngineProcess(local.model, local.tokenizer, functools.partial(build_seeing, "GROUPRL_TEST_SET_LATE", "yes"), [], "cpu")
     try:

@@ -5,7 +5,6 @@ giving fallbacks (counted) instead of a hang. Workers fork from a server that ma
 before the environment changed: they take the environment of their own start."""
 
 import logging
-from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,9 @@ import torch
 from grouprl.config import RewardComponentConfig, RewardConfig, RewardModelConfig
 from grouprl.data.sample import Sample
 from grouprl.errors import ConfigError, UserError
+from grouprl.processes import start_server
 from grouprl.rewards import CompositeReward
-from grouprl.rewards.models.client import worker_context
+from grouprl.rewards.models.client import PRELOAD
 from grouprl.rollout.trajectory import Trajectory
 from helpers import char_tokenizer, tiny_config
 from rewards.models.tiny_image_models import tiny_clip_dir, tiny_pipeline_dir
@@ -274,8 +274,7 @@ class FakeImageService:
 
 def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(image_models, tmp_path, monkeypatch, caplog):
     _, clip = image_models
-    worker_context()
-    forkserver.ensure_running()  # the worker's server started before the key is set: the worker still reads it
+    start_server(PRELOAD)  # the worker's server started before the key is set: the worker still reads it
     monkeypatch.setenv("IMAGE_KEY", "sk-secret-123")
     service = FakeImageService("sk-secret-123")
     config = RewardConfig(

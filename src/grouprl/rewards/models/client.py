@@ -15,7 +15,6 @@ import collections
 import itertools
 import logging
 import multiprocessing
-import os
 import threading
 import zlib
 from concurrent.futures import Future
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.errors import UserError
+from grouprl.processes import start_fresh
 from grouprl.rewards.models.kinds import DRAWERS, check
 from grouprl.rewards.models.worker import serve
 
@@ -30,18 +30,7 @@ log = logging.getLogger(__name__)
 
 LINGER_S = 0.01  # how long the first queued item waits for company before a batch goes
 STATS = ("items", "batches", "busy_s", "queue_max")  # per model and step
-PRELOAD = ["torch", "transformers", "grouprl.rewards.models.worker"]  # what the worker's server imports once
-
-
-def worker_context():
-    """Where the worker starts: forked from multiprocessing's server process, which imported torch
-    and transformers once and started no thread or device (no forked threads or CUDA state, as
-    with a fresh interpreter): a pool after the first in a process starts without an
-    interpreter's seconds of imports. The server is the one the rollout engines start from too
-    (one a process); the worker takes this process's environment as it is now (`serve`)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
+PRELOAD = ["torch", "transformers", "grouprl.rewards.models.worker"]  # the server's imports, if the worker starts it
 
 
 class ModelPool:
@@ -52,13 +41,8 @@ class ModelPool:
                 check(c)
             except UserError as e:
                 raise UserError(f"reward models ({', '.join(self.configs)}) failed to load: {type(e).__name__}: {e}") from None
-        context = worker_context()
-        self._conn, child = context.Pipe()
-        self._process = context.Process(
-            target=serve, args=(child, list(configs), str(cache_dir), dict(os.environ)), name="grouprl-reward-models",
-            daemon=True,
-        )  # fmt: skip
-        self._process.start()
+        self._conn, child = multiprocessing.Pipe()
+        self._process = start_fresh(serve, (child, list(configs), str(cache_dir)), "grouprl-reward-models", PRELOAD)
         child.close()
         if not self._conn.poll(start_timeout_s):
             self.close()

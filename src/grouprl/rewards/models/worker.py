@@ -104,13 +104,8 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def serve(conn, configs: list, cache_dir: str, environ: dict[str, str] | None = None) -> None:
-    """The worker process: load, say ready (or why not), then answer (id, name, items) until None.
-    `environ`: the trainer's environment when it started the worker (a forked worker's is its
-    server's, from that server's start)."""
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+def serve(conn, configs: list, cache_dir: str) -> None:
+    """The worker process: load, say ready (or why not), then answer (id, name, items) until None."""
     try:
         import torch
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 import grouprl
 from grouprl.errors import ModelLoadError, UserError
+from grouprl.processes import start_fresh
 from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams
 from grouprl.rollout.engines.streams import Randomness, RowStreams
 
@@ -76,17 +77,6 @@ def weights_backend(trainer_device, engine_device, same_machine: bool = True) ->
     if a.type == b.type == "cuda" and (not same_machine or (a.index or 0) != (b.index or 0)):
         return "nccl"
     return "gloo"
-
-
-def engine_context():
-    """Where engine processes start: forked from a server process that imported torch and
-    transformers once and started no thread or device (so no forked threads or CUDA state): an
-    engine after the first starts in a fraction of a second instead of an interpreter's seconds.
-    The server is one a process (the reward-model worker starts from it too); an engine takes
-    the environment of the trainer at its start (`serve`)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
 
 
 def engine_key() -> bytes:
@@ -159,15 +149,10 @@ def _drawn(generator: Randomness):
 
 
 def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int | None,
-          backend: str = "gloo", host: str = HOST, environ: dict[str, str] | None = None) -> None:  # fmt: skip
+          backend: str = "gloo", host: str = HOST) -> None:  # fmt: skip
     """The engine process: `build()` gives (engine, its model, a context each request runs in);
     then requests from `conn` until "close" or the trainer's end. The weights' group meets at the
-    trainer's store on `port`, or (port None: an engine service's) at a store hosted here on `host`.
-    `environ`: the trainer's environment when it started the engine (a forked process's is its
-    server's, from that server's start)."""
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+    trainer's store on `port`, or (port None: an engine service's) at a store hosted here on `host`."""
     try:
         engine, model, context = build()
         device = next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
@@ -296,14 +281,11 @@ class EngineProcess:
             first = self._receive(START_TIMEOUT_S, starting=True)
             store = dist.TCPStore(split_address(address)[0], first["store_port"], 2, is_master=False, timeout=timeout)
             here = local_address(self.conn)
-        else:  # started here (engine_context)
+        else:  # started here (from the forkserver: grouprl.processes)
             store = dist.TCPStore(HOST, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
             backend = weights_backend(device, engine_device or device)
-            ctx = engine_context()
-            self.conn, child = ctx.Pipe()
-            self.process = ctx.Process(target=serve, args=(child, build, store.port, backend, HOST, dict(os.environ)),
-                                       name="grouprl-engine", daemon=True)  # fmt: skip
-            self.process.start()
+            self.conn, child = multiprocessing.Pipe()
+            self.process = start_fresh(serve, (child, build, store.port, backend), "grouprl-engine", PRELOAD)
             child.close()
             first = self._receive(START_TIMEOUT_S, starting=True)
             here = HOST

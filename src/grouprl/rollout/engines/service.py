@@ -23,7 +23,6 @@ import pickle
 import signal
 import threading
 import time
-from multiprocessing import forkserver
 from multiprocessing.connection import (
     AuthenticationError,
     Connection,
@@ -36,10 +35,11 @@ import torch
 
 import grouprl
 from grouprl.errors import UserError
+from grouprl.processes import start_fresh, start_server
 from grouprl.rollout.engines.process import (
     HANDSHAKE_TIMEOUT_S,
+    PRELOAD,
     PROTOCOL,
-    engine_context,
     engine_key,
     keep_alive,
     local_address,
@@ -76,8 +76,7 @@ class EngineService:
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.host, self.port = host, self.listener.address[1]
-        self._ctx = engine_context()
-        forkserver.ensure_running()  # now, so that the first trainer does not wait for its imports
+        start_server(PRELOAD)  # now, so that the first trainer does not wait for its imports
         self._stopped = False
 
     def serve_forever(self) -> None:
@@ -143,12 +142,7 @@ class EngineService:
         device, here = self.devices[slot], local_address(conn)
         backend = weights_backend(hello["trainer_device"], device, peer.split(":")[0] in ("127.0.0.1", here))
         keep_alive(conn)  # a trainer whose machine goes away frees the device
-        process = self._ctx.Process(
-            target=_engine, args=(conn, hello["build"], device, backend, here),
-            name=f"grouprl-engine-{slot}", daemon=True,
-        )  # fmt: skip
-        process.start()
-        return process
+        return start_fresh(_engine, (conn, hello["build"], device, backend, here), f"grouprl-engine-{slot}", PRELOAD)
 
     @staticmethod
     def _refuse(conn: Connection, why: str) -> None:
