@@ -217,6 +217,63 @@ def weighted_loss_and_grads(model, ids, context):
     return yielded, loss.detach(), grads
 
 
+# The same computation done in another order: another torch thread count, another process, another
+# rank layout or another kernel (MKL and oneDNN block their sums by CPU model and thread count;
+# torch picks AVX2 or AVX-512 kernels by CPU, ATEN_CPU_CAPABILITY forces one). Two such runs agree
+# exactly in what is counted or sampled (token ids, rollouts, versions, uids, dropped groups) and
+# only within these in their floats. Tests comparing runs across processes or thread counts use
+# them rather than bitwise equality (which held on one Intel CPU and not on an AMD EPYC: issue 36).
+# A float32 metric is a sum or mean of O(1) terms: reordered, it moves by some ulps (1.2e-7) of
+# each term, which after a few updates on weights that moved by ADAM_NOISE is up to a few 1e-6;
+# relative 1e-4 covers the larger ones, absolute 1e-6 the ones near zero (a loss, a KL).
+REORDERED = {"rel": 1e-4, "abs": 1e-6}
+# Adam divides by the root of small second moments, so reordering noise in a tiny gradient moves
+# its weight by a few percent of one step (lr 1e-2): seen up to 1.04e-4 on an Intel Xeon, below
+# 1e-4 on an AMD EPYC; the steps are 1e-2.
+ADAM_NOISE = 3e-4
+
+
+def assert_metrics_agree(got: list[dict], want: list[dict], skip: tuple[str, ...] = ("time/", "perf/")) -> None:
+    """Two runs' per-step metrics (metrics.jsonl rows) are the same run computed in another
+    order: the same steps and keys, counts equal, floats within REORDERED (timings skipped)."""
+    import pytest
+
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        g = {k: v for k, v in g.items() if not k.startswith(skip)}
+        w = {k: v for k, v in w.items() if not k.startswith(skip)}
+        assert g.keys() == w.keys(), (w.get("step"), sorted(g.keys() ^ w.keys()))
+        for key, value in w.items():
+            if isinstance(value, float):
+                assert g[key] == pytest.approx(value, **REORDERED), (w.get("step"), key, g[key], value)
+            else:
+                assert g[key] == value, (w.get("step"), key)
+
+
+def assert_weights_agree(got: dict, want: dict, atol: float = ADAM_NOISE) -> None:
+    """Two state dicts from runs of the same updates computed in another order (Adam's noise)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class LogProbs(tuple):
+    """A generation's log-probs that equal another's within 1e-9: float64 engines (the tests'
+    tiny models) in another process compute them on other threads, the same sums in another
+    order (a few ulps of numbers of size ~5); rounding both would not be a tolerance (two
+    values an ulp apart can round apart)."""
+
+    def __eq__(self, other):
+        return len(self) == len(other) and all(abs(a - b) <= 1e-9 for a, b in zip(self, other))
+
+    __hash__ = tuple.__hash__
+
+
+def generation_rows(generations) -> list[tuple]:
+    """Each generation's token ids and finish reason (exactly) and its log-probs (LogProbs)."""
+    return [(g.token_ids, g.finish_reason, LogProbs(g.log_probs)) for g in generations]
+
+
 def free_port() -> int:
     """A port of 127.0.0.1 free right now (for a test's server or a torchrun rendezvous)."""
     import socket

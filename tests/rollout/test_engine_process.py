@@ -25,7 +25,7 @@ from grouprl.rollout.engines.process import (
     weights_backend,
 )
 from grouprl.rollout.engines.streams import RowStreams
-from helpers import random_prompts, tiny_model_and_tokenizer
+from helpers import generation_rows, random_prompts, tiny_model_and_tokenizer
 
 SAMPLE = SamplingParams(max_new_tokens=6, temperature=1.0)
 
@@ -50,10 +50,6 @@ def remote(local):
     engine.close()
 
 
-def rows(generations):
-    return [(g.token_ids, g.finish_reason, [round(x, 9) for x in g.log_probs]) for g in generations]
-
-
 def test_weights_travel_by_nccl_between_two_gpus_only():
     assert weights_backend("cpu", "cpu") == "gloo"
     assert weights_backend("cuda:0", "cuda:1") == "nccl"
@@ -69,12 +65,12 @@ def test_the_same_samples_and_groups_as_the_engine_here(local, remote):
     here, there = RowStreams(7, range(6)), RowStreams(7, range(6))
     groups = []
     want = local.generate(prompts, 2, SAMPLE, here)
-    got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, rows(gens))))
-    assert rows(got) == rows(want) and len({tuple(g.token_ids) for g in want}) > 3
-    assert sorted(groups) == [(i, rows(want[2 * i : 2 * i + 2])) for i in range(3)]  # each group, as it ended
+    got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, generation_rows(gens))))
+    assert generation_rows(got) == generation_rows(want) and len({tuple(g.token_ids) for g in want}) > 3
+    assert sorted(groups) == [(i, generation_rows(want[2 * i : 2 * i + 2])) for i in range(3)]  # each group, as it ended
     assert (there._drawn == here._drawn).all() and here._drawn.sum() > 0  # the streams went on as here
     # a second call continues the streams where the first left them
-    assert rows(remote.generate(prompts, 2, SAMPLE, there)) == rows(local.generate(prompts, 2, SAMPLE, here))
+    assert generation_rows(remote.generate(prompts, 2, SAMPLE, there)) == generation_rows(local.generate(prompts, 2, SAMPLE, here))
 
 
 def test_turns_keep_their_contexts_there_while_new_weights_arrive(local, remote):
@@ -83,7 +79,7 @@ def test_turns_keep_their_contexts_there_while_new_weights_arrive(local, remote)
     original = {n: p.detach().clone() for n, p in local.model.named_parameters()}
     here, there = RowStreams(3, range(4)), RowStreams(3, range(4))
     a, b = local.open_session(prompts, 2), remote.open_session(prompts, 2)
-    assert rows(b.generate([0, 1, 2, 3], [[]] * 4, SAMPLE, there)) == rows(a.generate([0, 1, 2, 3], [[]] * 4, SAMPLE, here))
+    assert generation_rows(b.generate([0, 1, 2, 3], [[]] * 4, SAMPLE, there)) == generation_rows(a.generate([0, 1, 2, 3], [[]] * 4, SAMPLE, here))
     try:
         with torch.no_grad():  # an update of the weights the push sends after the first (layer 1's)
             for name, p in local.model.named_parameters():
@@ -94,7 +90,7 @@ def test_turns_keep_their_contexts_there_while_new_weights_arrive(local, remote)
         turn = [[5, 6], [7], [8, 9, 10]]
         want = a.generate([0, 2, 3], turn, SAMPLE, here)
         got = b.generate([0, 2, 3], turn, SAMPLE, there)
-        assert rows(got) == rows(want)
+        assert generation_rows(got) == generation_rows(want)
         b.release(1)
     finally:
         with torch.no_grad():
@@ -108,7 +104,7 @@ def test_an_error_there_is_raised_here_and_the_process_goes_on(local, remote):
         remote.generate([[1000000]], 1, SAMPLE)  # a token id past the vocabulary
     assert "Traceback" in str(raised.value)
     prompts = random_prompts([3], len(local.tokenizer), seed=6)
-    assert rows(remote.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == rows(
+    assert generation_rows(remote.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == generation_rows(
         local.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))
     )
 
@@ -167,7 +163,7 @@ def test_an_answer_that_comes_before_the_last_send_shows_complete_ends_the_push(
         assert not push.is_alive(), "the push waited for an answer it had read"
         assert engine.group.left == 0  # every changing weight went by the group
         prompts = random_prompts([3, 4], len(local.tokenizer), seed=8)
-        assert rows(engine.generate(prompts, 2, SAMPLE, RowStreams(2, range(4)))) == rows(
+        assert generation_rows(engine.generate(prompts, 2, SAMPLE, RowStreams(2, range(4)))) == generation_rows(
             local.generate(prompts, 2, SAMPLE, RowStreams(2, range(4)))
         )
     finally:
@@ -191,7 +187,7 @@ def test_an_engine_takes_the_environment_of_its_start(local, monkeypatch):
     try:
         engine.weights_updated(local.model)
         prompts = random_prompts([3], len(local.tokenizer), seed=9)
-        assert rows(engine.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == rows(
+        assert generation_rows(engine.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == generation_rows(
             local.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))
         )
     finally:

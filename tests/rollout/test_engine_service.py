@@ -20,7 +20,14 @@ from grouprl.rollout.engines.base import SamplingParams
 from grouprl.rollout.engines.hf import HFEngine
 from grouprl.rollout.engines.process import EngineProcess, EngineProcessEnded, split_address
 from grouprl.rollout.engines.streams import RowStreams
-from helpers import ENGINE_KEY, free_port, random_prompts, start_engine_service, tiny_model_and_tokenizer
+from helpers import (
+    ENGINE_KEY,
+    free_port,
+    generation_rows,
+    random_prompts,
+    start_engine_service,
+    tiny_model_and_tokenizer,
+)
 
 KEY = ENGINE_KEY
 SAMPLE = SamplingParams(max_new_tokens=6, temperature=1.0)
@@ -59,10 +66,6 @@ def connect(local, address) -> EngineProcess:
     return EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu", address=address)
 
 
-def rows(generations):
-    return [(g.token_ids, g.finish_reason, [round(x, 9) for x in g.log_probs]) for g in generations]
-
-
 def test_a_service_engine_samples_what_the_engine_here_does(service, local, key):
     address, _ = service
     silent = socket.create_connection(split_address(address))
@@ -74,9 +77,9 @@ def test_a_service_engine_samples_what_the_engine_here_does(service, local, key)
         here, there = RowStreams(7, range(6)), RowStreams(7, range(6))
         groups = []
         want = local.generate(prompts, 2, SAMPLE, here)
-        got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, rows(gens))))
-        assert rows(got) == rows(want) and len({tuple(g.token_ids) for g in want}) > 3
-        assert sorted(groups) == [(i, rows(want[2 * i : 2 * i + 2])) for i in range(3)]
+        got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, generation_rows(gens))))
+        assert generation_rows(got) == generation_rows(want) and len({tuple(g.token_ids) for g in want}) > 3
+        assert sorted(groups) == [(i, generation_rows(want[2 * i : 2 * i + 2])) for i in range(3)]
         assert (there._drawn == here._drawn).all()
         # new weights (the changing ones) reach the engine there before the next request
         original = {n: p.detach().clone() for n, p in local.model.named_parameters()}
@@ -86,8 +89,8 @@ def test_a_service_engine_samples_what_the_engine_here_does(service, local, key)
                     if "layers.1." in name:
                         p.mul_(3.0)
             remote.weights_updated(local.model)
-            moved = rows(local.generate(prompts, 2, SAMPLE, here))
-            assert rows(remote.generate(prompts, 2, SAMPLE, there)) == moved
+            moved = generation_rows(local.generate(prompts, 2, SAMPLE, here))
+            assert generation_rows(remote.generate(prompts, 2, SAMPLE, there)) == moved
         finally:
             with torch.no_grad():
                 for name, p in local.model.named_parameters():

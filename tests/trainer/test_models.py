@@ -257,7 +257,9 @@ def test_the_embedded_vlm_is_smollm2_with_eyes(tmp_path):
     ids = torch.tensor([tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]])
     with torch.no_grad():
         want, got = text(input_ids=ids).logits[0, -1], model(input_ids=ids).logits[0, -1]
-    assert torch.equal(got[: want.shape[0]], want)
+    # the same weights and inputs; the VLM's output layer has more rows (its image tokens), so the
+    # matrix product is blocked differently: float32 logits of size ~20 within some ulps (2e-6)
+    torch.testing.assert_close(got[: want.shape[0]], want, rtol=0, atol=1e-4)
     vision = VisionProcessor.load(path, model.config, tokenizer)
     samples = make_shapes(2, 0, "val")
     encoded = [vision.encode(s.messages, s.images) for s in samples]

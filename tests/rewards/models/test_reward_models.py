@@ -179,7 +179,9 @@ def test_text_to_image_then_clip_scores_the_response_drawing_against_the_request
                 generator=[torch.Generator().manual_seed(seed)],
             ).images[0]  # fmt: skip
             got = Image.open(t.artifacts["clip"]).convert("RGB")
-            assert np.array_equal(np.asarray(got), np.asarray(want))
+            # the worker drew the prompts in a batch of two, this one alone: the same image up to
+            # float reordering, which can move a pixel across a rounding step (one level of 255)
+            assert np.abs(np.asarray(got).astype(int) - np.asarray(want).astype(int)).max() <= 1
             inputs = processor(text=[request], images=[got], return_tensors="pt", padding=True)
             with torch.no_grad():
                 out = model(**inputs)
