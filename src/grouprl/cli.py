@@ -311,6 +311,39 @@ def describe_plan(cfg) -> list[str]:
     return lines
 
 
+def describe_memory(cfg) -> tuple[list[str], bool]:
+    """The memory plan as table lines (from model.path's config alone), and whether it fits;
+    a config that cannot be read without loading is said in a line (and counts as fitting)."""
+    from grouprl.errors import ModelLoadError
+    from grouprl.trainer.memory import devices_for, model_shape, plan_memory, refusal, settle_for_devices
+    from grouprl.trainer.models import config_without_weights
+
+    if cfg.trainer.memory_check == "off":
+        return ["memory plan: off (trainer.memory_check=off)"], True
+    try:
+        config = config_without_weights(cfg.model)
+    except (ModelLoadError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return [f"memory plan: not made, model.path's config.json could not be read ({first})"], True
+    shape = model_shape(cfg.model, config)
+    devices = devices_for(cfg)
+    cfg = settle_for_devices(cfg, shape, devices)
+    plan = plan_memory(cfg, shape, devices)
+    lines = [
+        f"memory plan per device, from model.path's config ({shape.params / 1e9:.2f}B parameters, "
+        f"{shape.trainable / 1e9:.2f}B trained; no weights read):",
+        *plan.table(),
+    ]
+    from grouprl.trainer.memory import lr_resolution_warning
+
+    warning = lr_resolution_warning(cfg)
+    if warning:
+        lines.append("WARNING: " + warning)
+    if not plan.fits:
+        lines.append(refusal(plan, cfg, shape))
+    return lines, plan.fits or cfg.trainer.memory_check != "refuse"
+
+
 def cmd_train(args) -> int:
     from grouprl.config import explain
 
@@ -320,10 +353,11 @@ def cmd_train(args) -> int:
     cfg = _load(args.items)
     if args.dry_run:
         plan = describe_plan(cfg)  # reads the data files' columns: a missing one is the only line
+        memory, fits = describe_memory(cfg)
         print("config is valid. plan:")
-        for line in plan:
+        for line in plan + memory:
             print("  " + line)
-        return 0
+        return 0 if fits else 1
     if cfg.trainer.launcher == "ray":  # the ranks run on Ray workers, each the local loop below
         from grouprl.trainer.launch import run_on_ray
 

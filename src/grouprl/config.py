@@ -687,6 +687,14 @@ class TrainerConfig:
     """launcher=ray: training processes (ranks); 0 = one per GPU of the cluster."""
     ray_cpus_per_worker: int = 1
     """launcher=ray: CPUs Ray reserves for each worker, which is also its number of torch threads."""
+    nnodes: int = 1
+    """Nodes the memory plan is for, with n_gpus_per_node (verl's names): a plan (`--dry-run`) for a cluster from any machine."""
+    n_gpus_per_node: int = 0
+    """GPUs per node the memory plan is for (0 = the ranks this run has, on its devices)."""
+    gpu_memory_gb: float = 0.0
+    """The memory of one device, GiB, for the memory plan (0 = read it from the device present; a CPU's is the host's)."""
+    memory_check: Literal["refuse", "warn", "off"] = "refuse"
+    """The memory plan at a run's start: refuse stops a run whose plan does not fit before anything loads (one line: the phase, its figure, settings that would fit); warn logs that line and runs; off plans nothing."""
 
 
 @dataclass
@@ -1368,6 +1376,9 @@ def validate(cfg: Config) -> Config:
     need(cfg.trainer.keep_last >= 1, "config key 'trainer.keep_last' must be >= 1")
     need(cfg.trainer.ray_workers >= 0, "config key 'trainer.ray_workers' must be >= 0 (0 = one per GPU of the cluster)")
     need(cfg.trainer.ray_cpus_per_worker >= 1, "config key 'trainer.ray_cpus_per_worker' must be >= 1")
+    need(cfg.trainer.nnodes >= 1, "config key 'trainer.nnodes' must be >= 1")
+    need(cfg.trainer.n_gpus_per_node >= 0, "config key 'trainer.n_gpus_per_node' must be >= 0 (0 = the ranks present)")
+    need(cfg.trainer.gpu_memory_gb >= 0, "config key 'trainer.gpu_memory_gb' must be >= 0 (0 = read it from the device)")
     need(
         cfg.trainer.launcher != "ray" or cfg.trainer.device in ("auto", "cpu", "cuda"),
         "config key 'trainer.device' must be auto, cpu or cuda with trainer.launcher=ray (Ray gives each "

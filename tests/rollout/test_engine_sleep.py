@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import grouprl.rollout.engines.vllm as vllm_module
 import grouprl.trainer.evaluation as evaluation_module
 import grouprl.trainer.step as step_module
 from grouprl.config import RolloutConfig, load_config
@@ -55,7 +56,10 @@ class FakeSamplingParams:
 class FakeLLM:
     """vLLM's `LLM` (and its `llm_engine`) as far as the engine uses it; see the module docstring."""
 
+    latest = None  # the newest instance (its events record the allocator's releases too)
+
     def __init__(self, **kwargs):
+        FakeLLM.latest = self
         self.kwargs = kwargs
         self.llm_engine = self
         self.events: list[tuple] = []
@@ -179,6 +183,14 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", vllm.sampling_params)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setattr(VLLMEngine, "emulate_sleep", True)
+
+    def release(device):  # what PyTorch's allocator keeps cached goes back (devices.py), recorded
+        if FakeLLM.latest is not None:
+            FakeLLM.latest.events.append(("release",))
+
+    monkeypatch.setattr(FakeLLM, "latest", None)
+    monkeypatch.setattr(vllm_module, "release_cached_memory", release)
+    monkeypatch.setattr(step_module, "release_cached_memory", release)
     return vllm
 
 
@@ -223,12 +235,16 @@ PUSH = [("reload",), ("rpc",), ("reset",)]
 
 
 def wake(level: int, push: bool) -> list[tuple]:
-    """What begin_rollout does at `level`, with or without a policy to push."""
+    """What begin_rollout does at `level`, with or without a policy to push: PyTorch's cached
+    blocks released before each of vLLM's two wakes (its own allocator cannot reuse them)."""
     if level == 0:
         return []
     if level == 2 or push:  # weights first, the push into them, then the KV cache
-        return [("wake", "weights"), *PUSH, ("wake", "kv_cache")]
-    return [("wake", "weights"), ("wake", "kv_cache")]
+        return [("release",), ("wake", "weights"), *PUSH, ("release",), ("wake", "kv_cache")]
+    return [("release",), ("wake", "weights"), ("release",), ("wake", "kv_cache")]
+
+
+UPDATE = [("release",), ("update",)]  # the update's cached memory released, then its weights pushed
 
 
 def phases(events: list[tuple]) -> list[list[tuple]]:
@@ -283,9 +299,9 @@ def test_steps_and_chunked_evaluation_sleep_between_rollouts_only(
     only_generate_inside(llm)
     sleep = [("sleep", level)] if level else []
     if level == 0:  # awake throughout: the first push at start, then one after every update
-        start, update = PUSH, [("update",), *PUSH]
+        start, update = PUSH, [*UPDATE, *PUSH]
     else:  # the first push waits for the first wake
-        start, update = sleep, [("update",)]
+        start, update = sleep, UPDATE
     want = [
         *start,
         *wake(level, push=True), ("phase", 2), *sleep,  # baseline evaluation: 4 prompts, 2 chunks
@@ -309,11 +325,11 @@ def two_steps(level: int, steps: list[list[tuple]]) -> list[tuple]:
     rollout, as `phases` gives them): asleep, each step wakes with a push and sleeps before its
     update; awake (level 0), the first push at start and one after every update."""
     if level == 0:
-        return [*PUSH, ("phase", len(steps[0])), ("update",), *PUSH, ("phase", len(steps[1])), ("update",), *PUSH]
+        return [*PUSH, ("phase", len(steps[0])), *UPDATE, *PUSH, ("phase", len(steps[1])), *UPDATE, *PUSH]
     return [
         ("sleep", level),
-        *wake(level, push=True), ("phase", len(steps[0])), ("sleep", level), ("update",),
-        *wake(level, push=True), ("phase", len(steps[1])), ("sleep", level), ("update",),
+        *wake(level, push=True), ("phase", len(steps[0])), ("sleep", level), *UPDATE,
+        *wake(level, push=True), ("phase", len(steps[1])), ("sleep", level), *UPDATE,
     ]  # fmt: skip
 
 

@@ -39,26 +39,14 @@ IMAGE_SEQ_LEN = (IMAGE_SIZE // VISION["patch_size"]) ** 2 // SCALE**2  # <image>
 def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
     """Assemble the VLM from the SmolLM2 folder `text_folder` and save it into `target`
     (model, tokenizer, image processor), atomically."""
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(text_folder)
     tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     text = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
     text.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    config = Idefics3Config(
-        text_config=text.config.to_dict(),
-        vision_config=VISION,
-        scale_factor=SCALE,
-        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = vlm_config(text.config, tokenizer.convert_tokens_to_ids("<image>"), tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Idefics3ForConditionalGeneration(config)
@@ -76,6 +64,28 @@ def build_embedded_vlm(target: Path, text_folder: str, seed: int = 0) -> None:
     )
     save_into_cache(target, model, tokenizer, image_processor, _ProcessorSettings())
 
+
+
+def vlm_config(text_config, image_token_id: int, pad_token_id: int | None):
+    """The VLM's config around SmolLM2's (`text_config`, its vocabulary already grown by the
+    image tokens)."""
+    from transformers import Idefics3Config
+
+    return Idefics3Config(
+        text_config=text_config.to_dict(),
+        vision_config=VISION,
+        scale_factor=SCALE,
+        image_token_id=image_token_id,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+    )
+
+
+def planned_config(text_config):
+    """The VLM's config as the memory plan needs it, from SmolLM2's before anything is assembled
+    (the image tokens' ids stand in for the tokenizer's)."""
+    text_config.vocab_size += len(IMAGE_TOKENS)
+    return vlm_config(text_config, text_config.vocab_size - 2, getattr(text_config, "pad_token_id", None))
 
 
 class _ProcessorSettings:

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -168,8 +169,6 @@ def resolve_model_path(cfg: ModelConfig) -> str:
         name = path.split(":", 1)[1]
         target = Path(os.path.expanduser(cfg.cache_dir)) / "models" / name
         if not (target / "config.json").is_file():
-            from dataclasses import replace
-
             from grouprl.trainer.embedded_vlm import build_embedded_vlm
 
             text = resolve_model_path(replace(cfg, path=f"builtin:{BUILTIN_VLMS[name]}", gguf_file=None))
@@ -233,6 +232,30 @@ def model_config(cfg: ModelConfig, model_path: str):
         raise ModelLoadError(_explain_load_failure("model.path", model_path, e)) from None
 
 
+def config_without_weights(cfg: ModelConfig):
+    """The transformers config of model.path without reading a weight (a dry run's memory plan):
+    a built-in model's converted copy, else its GGUF file's metadata; a GGUF file's metadata; a
+    folder's or the hub's config.json."""
+    from transformers import AutoConfig
+
+    path = cfg.path
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        cached = Path(os.path.expanduser(cfg.cache_dir)) / "models" / name
+        if (cached / "config.json").is_file():
+            return model_config(cfg, str(cached))
+        if name in BUILTIN_VLMS:
+            from grouprl.trainer.embedded_vlm import planned_config
+
+            text = config_without_weights(replace(cfg, path=f"builtin:{BUILTIN_VLMS[name]}", gguf_file=None))
+            return planned_config(text)
+        folder, gguf_file = _builtin_location(name)
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    if cfg.gguf_file:
+        return AutoConfig.from_pretrained(os.path.expanduser(path), gguf_file=cfg.gguf_file)
+    return model_config(cfg, os.path.expanduser(path))
+
+
 def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype):
     """A causal LM, or an image-text-to-text model when the config has a vision tower, ready to
     train (parts frozen as configured, LoRA wrapped when configured)."""
@@ -277,29 +300,34 @@ def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtyp
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora.rank > 0:
-        from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model, prepare_model_for_kbit_training
 
         if cfg.quantization != "none":
             model = prepare_model_for_kbit_training(
                 model, use_gradient_checkpointing=cfg.gradient_checkpointing
             )
-        targets = cfg.lora.target_modules
-        # a VLM's adapters go on its language model unless lora.target_vision: the tower and
-        # connector are left out by name (peft's exclude_modules takes a regex)
-        skip = family.tower + family.connector if family is not None and not cfg.lora.target_vision else ()
-        peft_cfg = PeftLoraConfig(
-            r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=targets[0] if targets == ["all-linear"] else targets,
-            exclude_modules="|".join(f"^{p.rstrip('.')}\\..*" for p in skip) or None,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, peft_cfg)
+        model = get_peft_model(model, lora_config(cfg, family))
         if family is not None:  # peft freezes every base weight; the configured parts train fully
             freeze_parts(model.get_base_model(), family, cfg, base_frozen=True)
     return model
+
+
+def lora_config(cfg: ModelConfig, family=None):
+    """peft's LoraConfig for model.lora. A VLM's adapters go on its language model unless
+    lora.target_vision: the tower and connector are left out by name (peft's exclude_modules
+    takes a regex)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = cfg.lora.target_modules
+    skip = family.tower + family.connector if family is not None and not cfg.lora.target_vision else ()
+    return PeftLoraConfig(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        exclude_modules="|".join(f"^{p.rstrip('.')}\\..*" for p in skip) or None,
+        task_type="CAUSAL_LM",
+    )
 
 
 def freeze_parts(model, family, cfg: ModelConfig, *, base_frozen: bool = False) -> None:

@@ -32,6 +32,7 @@ from grouprl.rollout.engines.process import EngineProcess
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
+from grouprl.trainer.memory import PeakMeter, Plan, plan_run
 from grouprl.trainer.models import (
     autocast,
     engine_may_differ,
@@ -211,6 +212,9 @@ class PromptEncoder:
 class Parts:
     """What `build` made; the trainer keeps them as its attributes of the same names."""
 
+    cfg: Config  # the run's settings, those that depend on the devices settled (memory.plan_run)
+    plan: Plan | None  # the memory plan (None: trainer.memory_check=off)
+    meter: PeakMeter  # each phase's measured peak
     run_dir: Path
     train_samples: list[Sample]
     val_samples: list[Sample]
@@ -336,13 +340,14 @@ def build(cfg: Config) -> Parts:
     device = resolve_device(cfg.trainer.device)
     # torchrun / Ray ranks: each holds whole groups of every step (parallel.py)
     ranks = Ranks.from_env(device.type)
-    # judges log to judge.jsonl; with several ranks each takes its share of a judge's cap
-    reward = CompositeReward.from_config(reward_config(cfg), run_dir=run_dir, rank=ranks.rank, world=ranks.world)
     if ranks.distributed:
         check_parallel(cfg, ranks)
         if device.type == "cuda":
             device = torch.device("cuda", ranks.local_rank)
             torch.cuda.set_device(device)
+    # judges log to judge.jsonl; with several ranks each takes its share of a judge's cap; built
+    # once the rank's device is set (a local judge or reward model on "auto" takes this rank's)
+    reward = CompositeReward.from_config(reward_config(cfg), run_dir=run_dir, rank=ranks.rank, world=ranks.world)
     shape_stable_attention(device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     compute_dtype = resolve_compute_dtype(cfg.actor.dtype, device, dtype)
@@ -363,7 +368,11 @@ def build(cfg: Config) -> Parts:
         )
     model_path = resolve_model_path(cfg.model)
     tokenizer = load_tokenizer(cfg.model, model_path)
-    check_images(cfg, train_samples + val_samples, model_config(cfg.model, model_path))
+    config = model_config(cfg.model, model_path)
+    check_images(cfg, train_samples + val_samples, config)
+    # the memory plan from config.json and the settings: a run that would not fit stops here,
+    # before anything loads (settings that depend on the devices are settled first)
+    cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
     model = load_causal_lm(cfg.model, model_path, device, dtype)
     # a VLM policy: the processor that turns prompts and observations with images into inputs
     vision = (
@@ -453,6 +462,9 @@ def build(cfg: Config) -> Parts:
         ranks=ranks,
     )
     return Parts(
+        cfg=cfg,
+        plan=plan,
+        meter=PeakMeter(device),
         run_dir=run_dir,
         train_samples=train_samples,
         val_samples=val_samples,

@@ -36,6 +36,7 @@ from grouprl.config import Config
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import Sample
+from grouprl.devices import release_cached_memory
 from grouprl.errors import ModelLoadError
 from grouprl.rewards.composite import JudgeUnavailableError, groups_to_drop, judges_down
 from grouprl.rewards.streaming import batch_summary, combine
@@ -431,6 +432,7 @@ class Learner:
         c, p, n = self.cfg, self.p, self.cfg.rollout.n_agent
         t_reward = time.perf_counter()
         trajectories, metrics = batch.trajectories, dict(batch.metrics)
+        p.meter.start()  # the update phase's peak (perf/peak_gb/update)
         real = len(batch.real)  # this rank's rows before its pads
         tensors = build_step_tensors(
             trajectories, p.device, mask_truncated=c.rollout.mask_truncated, pad_token_id=p.engine.pad_token_id
@@ -472,6 +474,10 @@ class Learner:
         t_update = time.perf_counter()
         if tensors.rollout_log_probs is not None:  # vLLM's own copy, or the hf engine's record
             metrics.update(self.rollout_correction(tensors))
+        # the update's activations and gradients are gone: what the allocator keeps of them goes
+        # back (CUDA's cached blocks, for vLLM's wake; a CPU's malloc heap, actor.update_malloc_trim)
+        if p.device.type != "cpu" or c.actor.update_malloc_trim:
+            release_cached_memory(p.device)
         p.engine.weights_updated(p.model)  # the next rollout samples from the new weights
         t_synced = time.perf_counter()
         self.updating = False
@@ -520,6 +526,7 @@ class Learner:
         )
         if torch.cuda.is_available() and p.device.type == "cuda":
             metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        metrics.update(p.meter.measure("update"))
         return reduce_step_metrics(metrics, self.ranks)  # one value per metric over the ranks
 
     def rollout_correction(self, tensors) -> dict[str, float]:

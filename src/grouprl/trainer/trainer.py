@@ -25,6 +25,7 @@ from grouprl.trainer.evaluation import Evaluator, Progress
 from grouprl.trainer.export import export_model
 from grouprl.trainer.image_report import write_report
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
+from grouprl.trainer.memory import PeakMeter
 from grouprl.trainer.parallel import inner, whole_state_dict
 from grouprl.trainer.pipeline import RolloutPipeline
 from grouprl.trainer.setup import build
@@ -54,8 +55,11 @@ def drop_lines_after(path: Path, step: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        PeakMeter.reset_host()  # the start-up phase's peak: a CPU's from here, CUDA's since the process began
         parts = build(cfg)  # a mistake in the data, rewards or settings fails here, one line
+        self.cfg = cfg = parts.cfg  # what depends on the devices settled (memory.plan_run)
+        # each phase's measured peak (perf/peak_gb/<phase>): start-up's logged with the first step
+        self._startup_peak: dict[str, float] = parts.meter.measure("startup")
         # the parts, as attributes of the same names (setup.Parts)
         self.run_dir, self.ranks, self.device = parts.run_dir, parts.ranks, parts.device
         self.train_samples, self.val_samples = parts.train_samples, parts.val_samples
@@ -154,8 +158,14 @@ class Trainer:
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state = self._trainer_state()
         waited = time.perf_counter()
+        if self.pipeline is None:  # asynchronous runs generate beside the update: one peak, the update's
+            self.parts.meter.start()
         batch = self._collect()
         waited = time.perf_counter() - waited
+        if self.pipeline is None:
+            batch.metrics.update(self.parts.meter.measure("generation"))
+        batch.metrics.update(self._startup_peak)
+        self._startup_peak = {}
         self._groups = batch.groups
         self.counters["dropped_groups"] += batch.dropped_groups
         if not batch.trajectories:  # every group dropped (judge failures), on every rank alike

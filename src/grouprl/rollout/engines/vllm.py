@@ -79,6 +79,7 @@ from typing import Any
 
 import torch
 
+from grouprl.devices import release_cached_memory
 from grouprl.errors import ConfigError, ModelLoadError
 from grouprl.rollout.engines.base import (
     Generation,
@@ -631,10 +632,14 @@ class VLLMEngine:
         """Wake for a rollout (the outermost one, when they nest): the weights, then the push of
         a policy that changed meanwhile (or of any policy after level 2), then the KV cache."""
         if self._rollouts == 0 and self._asleep:
+            # vLLM allocates through an allocator of its own: what PyTorch's caching allocator
+            # keeps of the update (and of the push's copies) would be out of its reach
+            release_cached_memory(self._device)
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
             if self._pending is not None:
                 self._push(self._pending)
+            release_cached_memory(self._device)
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep.discard("kv_cache")
         self._rollouts += 1
