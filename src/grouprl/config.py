@@ -1402,6 +1402,12 @@ def validate(cfg: Config) -> Config:
         cfg.model.quantization == "none" or cfg.model.lora.rank > 0,
         "config key 'model.quantization' needs model.lora.rank > 0 (quantised weights cannot be trained directly)",
     )
+    need(
+        cfg.model.quantization == "none" or cfg.rollout.engine != "vllm",
+        f"config key 'model.quantization={cfg.model.quantization}' cannot feed rollout.engine=vllm: its pushes "
+        "would add LoRA's deltas to bitsandbytes' packed bytes; use rollout.engine=hf, or LoRA without "
+        "quantization (the frozen base in bf16 takes half of float32's memory)",
+    )
     need(cfg.model.lora.rank >= 0, "config key 'model.lora.rank' must be >= 0")
     need(
         cfg.algorithm.ref_refresh_steps == 0 or cfg.model.lora.rank == 0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from grouprl.cpu.allocator import release_free_memory
+from grouprl.errors import UserError
 
 
 def release_cached_memory(device: torch.device | str) -> None:
@@ -28,3 +29,31 @@ def release_cached_memory(device: torch.device | str) -> None:
                 torch.cuda.empty_cache()
     elif device.type == "cpu":
         release_free_memory()
+
+
+def use_device(device: torch.device | str) -> None:
+    """Make `device` the calling thread's current CUDA device (every new thread starts on
+    cuda:0, whatever device its process set); nothing for other devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def own_device(device: torch.device | str, environ=None) -> torch.device:
+    """In a process of its own that has not started CUDA yet: make `device` the only GPU it sees
+    (CUDA_VISIBLE_DEVICES, read through any list already set) and return its name there,
+    cuda:0. vLLM in one process takes cuda:0 whatever device it is given (its device config
+    carries no index), so an engine process meant for cuda:1 must see cuda:1 alone. Other
+    devices are returned as they are."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is None:
+        return device
+    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and device.index >= len(visible):
+        raise UserError(f"{device} is not among the GPUs this process may use (CUDA_VISIBLE_DEVICES={','.join(visible)})")
+    physical = visible[device.index] if visible else str(device.index)
+    environ["CUDA_VISIBLE_DEVICES"] = physical
+    return torch.device("cuda", 0)

@@ -474,3 +474,29 @@ def test_the_config_builds_the_engine_and_both_session_kinds_continue_alike(mode
         second = session.generate([1, 3], [[5, 6], [7]], params)
         turns.append(([g.token_ids for g in first], [g.token_ids for g in second]))
     assert turns[0] == turns[1]
+
+
+def test_a_decode_step_copies_to_the_host_as_often_for_many_rows_as_for_one(model_and_tokenizer, monkeypatch):
+    """On a GPU each copy of a device tensor's value to the host waits for the device: the decode
+    loop takes the active rows and the sampled tokens once a step, not a value per row."""
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer, report_log_probs=True)
+    copies = {"n": 0}
+    for name in ("__int__", "__index__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, **kwargs):
+            copies["n"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    counts = {}
+    for rows in (1, 8):
+        for steps in (6, 12):
+            copies["n"] = 0
+            params = SamplingParams(max_new_tokens=steps, temperature=1.0)
+            out = engine.generate(random_prompts([4] * rows, len(tokenizer), seed=2), 1, params, RowStreams(0, range(rows)))
+            assert all(len(g.token_ids) == steps for g in out)  # every row decodes every step
+            counts[rows, steps] = copies["n"]
+    per_step = {rows: (counts[rows, 12] - counts[rows, 6]) / 6 for rows in (1, 8)}
+    assert per_step[8] == per_step[1] <= 3

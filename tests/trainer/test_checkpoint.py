@@ -396,6 +396,51 @@ def test_trainer_state_round_trips_exactly(tmp_path):
     assert (random.random(), float(np.random.rand())) == expected
 
 
+class FakeCuda:
+    """torch.cuda as far as the RNG state goes: `visible` devices, this process on `current`."""
+
+    def __init__(self, visible: int, current: int):
+        self.visible, self.current = visible, current
+        self.states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(visible)}
+
+    def install(self, monkeypatch):
+        for name, value in {
+            "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: self.visible,
+            "current_device": lambda: self.current, "get_rng_state": self.get, "set_rng_state": self.set,
+            "get_rng_state_all": lambda: [self.states[i] for i in range(self.visible)],
+        }.items():  # fmt: skip
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def get(self, device):
+        return self.states[device].clone()
+
+    def set(self, state, device):
+        assert 0 <= device < self.visible, f"cuda:{device} is not visible"
+        self.states[device] = state.clone()
+
+
+def test_a_checkpoint_keeps_its_own_devices_rng_and_resumes_where_fewer_are_visible(monkeypatch):
+    """A rank saves its own CUDA device's generator (rank 3 of a node: cuda:3) and a resume
+    restores it to the device it runs on, also with fewer GPUs visible; a checkpoint of every
+    visible device's state (as earlier versions saved) restores its own or the first."""
+    eight = FakeCuda(visible=8, current=3)
+    eight.install(monkeypatch)
+    eight.states[3] = torch.tensor([33], dtype=torch.uint8)
+    saved = checkpoint_module.rng_state()
+    assert torch.equal(saved["cuda"], torch.tensor([33], dtype=torch.uint8))
+    one = FakeCuda(visible=1, current=0)
+    one.install(monkeypatch)
+    checkpoint_module.set_rng_state(saved)
+    assert torch.equal(one.states[0], torch.tensor([33], dtype=torch.uint8))
+    every = {**saved, "cuda": [torch.tensor([i + 10], dtype=torch.uint8) for i in range(8)]}
+    checkpoint_module.set_rng_state(every)  # one device visible of the eight saved
+    assert torch.equal(one.states[0], torch.tensor([10], dtype=torch.uint8))
+    two = FakeCuda(visible=2, current=1)
+    two.install(monkeypatch)
+    checkpoint_module.set_rng_state(every)
+    assert torch.equal(two.states[1], torch.tensor([11], dtype=torch.uint8)) and torch.equal(two.states[0], torch.tensor([0], dtype=torch.uint8))
+
+
 def test_sharded_format_reads_back_in_one_process_and_names_a_mismatch(tmp_path):
     """The DCP layout (sharded/, one safetensors file per rank with its offsets in the header)
     read by one process; the two-rank write and reads are in test_parallel.py."""

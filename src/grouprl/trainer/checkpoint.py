@@ -157,11 +157,14 @@ def _names_of(group_params, params: dict) -> list[str]:
 
 
 def rng_state() -> dict[str, Any]:
+    """The generators a resume restores: Python's, NumPy's, torch's CPU one and this process's
+    CUDA device's (its own only: a rank uses one device, and a resume may see fewer)."""
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state(torch.cuda.current_device()) if on_cuda else None,
     }
 
 
@@ -169,8 +172,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        if isinstance(cuda, list):  # a checkpoint of every visible device's: this device's, or the first
+            cuda = cuda[device] if device < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, device)
 
 
 # ----------------------------------------------------------------------------- safe trainer state

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from grouprl.curriculum.online import OnlineCurriculum
+from grouprl.devices import use_device
 from grouprl.rollout.engines.process import EngineProcess
 from grouprl.trainer.parallel import full_tensor
 from grouprl.trainer.step import Collector, StepBatch
@@ -72,6 +73,7 @@ class RolloutPipeline:
         self.fixed = cfg.rollout.async_schedule == "fixed_lag"
         ahead = parts.ahead
         self.copy, self.engine = ahead.model, ahead.engine
+        self.device = parts.device
         # the rollout runs on the copy (whole on every rank: no gathering of the policy's shards)
         # and its collectives go over the rollout threads' own group (setup.Ahead.ranks). The
         # generator thread's only collectives (dynamic filtering's refills) run while the scorer
@@ -242,6 +244,9 @@ class RolloutPipeline:
     def _guard(self, fn):
         def run():
             try:
+                # a new thread starts on cuda:0: this rank's device, or rank > 0 would generate
+                # (and save and restore the generators) on another rank's GPU
+                use_device(self.device)
                 fn()
             except BaseException as e:  # noqa: BLE001 - handed to the trainer, raised by take()
                 with self.cond:

@@ -22,6 +22,7 @@ import torch
 from grouprl.config import Config
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
+from grouprl.devices import own_device
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
 from grouprl.rewards.streaming import StreamingRewards
@@ -294,7 +295,7 @@ def generation_engine(cfg: Config, model_path: str, device: str, dtype, rollout_
     as the trainer loads it, on `device`, the configured engine over it, and the precision each
     request runs in. Returns (engine, model, context). `share_cores`: the trainer computes on the
     same CPU cores, so the engine takes half of them (each taking all, they fight: 1.30x the step)."""
-    device = torch.device(device)
+    device = own_device(device)  # cuda:N alone visible here (vLLM would take cuda:0): it is cuda:0 now
     if share_cores:
         torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     shape_stable_attention(device)

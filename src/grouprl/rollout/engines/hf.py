@@ -368,13 +368,14 @@ class HFEngine:
         stop_ends = {s[-1] for s in params.stop if s}
 
         for step in range(params.max_new_tokens):
-            draw = for_rows(generator, active.tolist())  # the active rows' own streams, if given
+            rows = active.tolist()  # one copy to the host a step, not one a row (a GPU sync each)
+            draw = for_rows(generator, rows)  # the active rows' own streams, if given
             next_tokens = sample_next(logits, params, draw, self._banned(logits))  # [A]
             if log_probs is not None:
                 step_lp = self._log_probs(logits, next_tokens, params.temperature)
             done_rows: list[int] = []
             for row, tok in enumerate(next_tokens.tolist()):
-                idx = int(active[row])
+                idx = rows[row]
                 tokens[idx].append(tok)
                 if log_probs is not None:
                     log_probs[idx].append(step_lp[row])
@@ -389,7 +390,7 @@ class HFEngine:
             last_step = step == params.max_new_tokens - 1
             if on_done is not None and (done_rows or last_step):
                 ending = list(range(len(active))) if last_step else done_rows
-                on_done(ending, [int(active[r]) for r in ending], cache, attention_mask)
+                on_done(ending, [rows[r] for r in ending], cache, attention_mask)
             if last_step:
                 break
             if done_rows:
