@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from grouprl.data.tasks.slides_files import write_slides_task
 from grouprl.retriever.index import build_index
@@ -96,9 +97,10 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
         with FakeJudgeServer(behaviour=behaviour).start() as server:
             overrides = [
                 f"data.train_files=[{data.train}]", "data.val_files=[]", "data.train_batch_size=2",
-                f"model.path={model}", "model.dtype=float32",
-                "rollout.n_agent=2", "rollout.max_response_length=48", "rollout.kv_cache_gb=0.25",
-                "rollout.enforce_eager=true", "rollout.max_model_len=8192", "rollout.check_log_probs=true",
+                f"model.path={model}",  # the recipe's memory settings as they are (float32 weights,
+                # vLLM's share): on a CPU each rank's cache is what its rollout can fill
+                "rollout.n_agent=2", "rollout.max_response_length=48",
+                "rollout.enforce_eager=true", "rollout.check_log_probs=true",
                 "agent.max_turns=3", "agent.max_observation_tokens=120",
                 f"agent.answer_base_url={server.base_url}", f"agent.answer_model={ANSWER_MODEL}",
                 f"agent.retriever.url=http://127.0.0.1:{service.port}/search",
@@ -131,6 +133,14 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
 
     run = tmp_path / "runs" / "source"
     assert done.stdout.count("vLLM engine ready") + done.stderr.count("vLLM engine ready") == 2  # one per rank
+    # the memory plan gave each rank's engine the KV cache its rollout fills (the recipe's share,
+    # 0.5 of the host per engine, would have taken all of this machine's memory with two ranks)
+    plan = json.loads((run / "memory_plan.json").read_text())
+    assert plan["fits"] and plan["devices"]["per_node"] == 2
+    engine = plan["phases"]["generation"]["parts"]["engine (vLLM)"]
+    assert engine < 0.5 and engine * 2 < 0.1 * plan["devices"]["memory_gb"]
+    saved = yaml.safe_load((run / "config.yaml").read_text())["rollout"]
+    assert saved["kv_cache_gb"] == 0.25 and saved["max_model_len"] == 4096 + 3 * 48 + 3 * 120
     steps = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "time/step" in m}
     assert sorted(steps) == [1, 2]
     for m in steps.values():
