@@ -626,7 +626,7 @@ class ActorConfig:
     fsdp_reduce_dtype: Literal["compute", "float32"] = "float32"
     """Several ranks (FSDP2): dtype of the gradient reduction; float32 keeps it exact under bf16 compute."""
     fsdp_offload: bool = False
-    """Several ranks (FSDP2): keep sharded parameters, gradients and optimizer state in CPU memory."""
+    """Several ranks on GPUs (FSDP2): keep sharded parameters, gradients and optimizer state in host memory (ranks on a CPU hold them there already: no effect)."""
     fsdp_size: int = -1
     """Several ranks (FSDP2): ranks one copy of the model is sharded over; -1 = all of them. Fewer
     (e.g. the GPUs of one node) shard within groups of that many ranks and replicate across the

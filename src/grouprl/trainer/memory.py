@@ -342,8 +342,9 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
         weights = shape.params * param_bytes / shards * gb
     grads = shape.trainable * param_bytes / shards * gb
     optimizer = 2 * shape.trainable * param_bytes / shards * gb
-    optimizer_here = 0.0 if a.fsdp_offload and world > 1 else optimizer
-    weights_here = 0.0 if a.fsdp_offload and world > 1 else weights
+    offloaded = a.fsdp_offload and world > 1 and on_cuda  # FSDP keeps the shards, their gradients and AdamW's state in host memory
+    optimizer_here = 0.0 if offloaded else optimizer
+    weights_here = 0.0 if offloaded else weights
     needs_ref = cfg.algorithm.kl_coef > 0 or a.kl_loss_coef > 0
     reference = weights if needs_ref and not lora else 0.0
     ahead_copy = shape.params * param_bytes * gb if r.max_staleness else 0.0
@@ -377,7 +378,8 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     # the update: one micro-batch's activations. Under FSDP the whole weights are gathered in
     # the compute dtype (mixed precision), so the residual stream is in it too; in one process
     # autocast leaves it in the weights' dtype
-    tokens = a.micro_batch_tokens or a.micro_batch_size * length
+    # a token budget's micro-batch holds at least one whole row (one over the budget goes alone)
+    tokens = max(a.micro_batch_tokens, length) if a.micro_batch_tokens else a.micro_batch_size * length
     lean = devices.kind == "cpu" and a.lean_mlp and a.lean_norm
     stream_bytes = compute_bytes if world > 1 else param_bytes
     per_token = activation_bytes_per_token(shape, param_bytes=stream_bytes, compute_bytes=compute_bytes, lean=lean)
@@ -402,18 +404,24 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     if ahead_copy:
         startup.parts["generation copy"] = ahead_copy
 
-    generation = Phase("generation", {"runtime": runtime, "policy": weights_here, "optimizer state": optimizer_here})
+    held = {"policy (offloaded to host)": 0.0, "optimizer state (offloaded)": 0.0} if offloaded else {
+        "policy": weights_here, "optimizer state": optimizer_here,
+    }  # fmt: skip
+    generation = Phase("generation", {"runtime": runtime, **held})
     if reference:
         generation.parts["reference"] = reference
     if ahead_copy:
         generation.parts["generation copy"] = ahead_copy
     generation.parts.update(generation_parts)
 
-    update = Phase("update", {"runtime": runtime, "policy": weights_here, "optimizer state": optimizer_here})
-    update.parts["gradients"] = grads if not (a.fsdp_offload and world > 1) else 0.0
-    if world > 1:  # the update's passes run on whole weights, gradients accumulating whole (parallel.accumulating)
+    update = Phase("update", {"runtime": runtime, **held})
+    if not offloaded:
+        update.parts["gradients"] = grads
+    if world > 1:  # the update's passes run on whole weights, gradients accumulating whole
+        # (parallel.accumulating): FSDP keeps them in its reduce dtype (float32 by default)
+        reduce_bytes = 4 if a.fsdp_reduce_dtype == "float32" else compute_bytes
         update.parts["whole weights and gradients (FSDP)"] = (
-            shape.params * compute_bytes + shape.trainable * compute_bytes
+            shape.params * compute_bytes + shape.trainable * reduce_bytes
         ) * gb
     if reference:
         update.parts["reference"] = reference
@@ -479,8 +487,10 @@ def _variants(cfg: Config, devices: Devices):
             replace(cfg, actor=replace(a, micro_batch_tokens=length)),
             devices,
         )
-    if devices.world > 1 and not a.fsdp_offload:
+    if devices.world > 1 and devices.kind == "cuda" and not a.fsdp_offload:
         yield "actor.fsdp_offload=true", replace(cfg, actor=replace(a, fsdp_offload=True)), devices
+    if devices.world > 1 and a.fsdp_reduce_dtype == "float32" and _compute_bytes(cfg, devices) == 2:
+        yield "actor.fsdp_reduce_dtype=compute", replace(cfg, actor=replace(a, fsdp_reduce_dtype="compute")), devices
     if r.engine == "vllm" and not r.kv_cache_gb and r.gpu_memory_utilization > 0.3:
         yield "rollout.gpu_memory_utilization=0.3", replace(cfg, rollout=replace(r, gpu_memory_utilization=0.3)), devices
     if m.lora.rank == 0:

@@ -329,7 +329,9 @@ class Sharder:
         reduce = torch.float32 if self.compute is not None and a.fsdp_reduce_dtype == "float32" else None
         if self.mesh is None:
             self.mesh = device_mesh(self.ranks, self.device.type, a.fsdp_size)
-        return shard(model, param_dtype=self.compute, reduce_dtype=reduce, offload=a.fsdp_offload, mesh=self.mesh)
+        # on a CPU the shards live in host memory already: offloading is for accelerators
+        offload = a.fsdp_offload and self.device.type != "cpu"
+        return shard(model, param_dtype=self.compute, reduce_dtype=reduce, offload=offload, mesh=self.mesh)
 
 
 def build(cfg: Config) -> Parts:
