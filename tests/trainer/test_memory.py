@@ -57,6 +57,9 @@ def test_a_shape_counts_what_the_built_model_holds(arch):
     assert shape.layer == sum(p.numel() for p in model.model.layers[0].parameters())
     assert shape.linear == sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
     assert (shape.layers, shape.hidden, shape.intermediate, shape.kv_heads, shape.head_dim) == (2, 32, 64, 2, 8)
+    assert shape.head == model.lm_head.weight.numel()  # untied: a copy under autocast stores it in bf16 too
+    tied, _ = tiny_model_and_tokenizer(arch=arch)
+    assert model_shape(ModelConfig(), tied.config).head == 0
 
 
 def test_lora_and_a_vlms_frozen_tower_count_as_they_train(tmp_path):

@@ -20,6 +20,7 @@ from grouprl.trainer.models import (
     resolve_dtype,
     resolve_model_path,
 )
+from helpers import tiny_model_and_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -276,3 +277,27 @@ def test_the_embedded_vlm_is_smollm2_with_eyes(tmp_path):
     blank = vision.prepare_image(Image.new("RGB", (64, 64)))
     other = engine.generate([encoded[0][0]], 1, params, images=[[blank]])
     assert out[0].log_probs != other[0].log_probs  # the image is read
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_frozen_copies_keep_their_linear_weights_in_the_autocast_dtype_with_the_same_numbers(tied):
+    """A copy that only runs under bf16 autocast (the reference, the generation copy) stores its
+    linear weights in bf16: autocast's own cast at every call becomes a no-op, the logits are the
+    same bit for bit, the linear weights take half the memory; embeddings (and a head tied to
+    them), norms and the rest stay float32."""
+    import copy
+
+    from grouprl.trainer.models import cast_frozen_linears
+
+    model, _ = tiny_model_and_tokenizer(tie_word_embeddings=tied)
+    frozen = cast_frozen_linears(copy.deepcopy(model).requires_grad_(False), torch.bfloat16)
+    ids = torch.randint(3, 90, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want, got = model(input_ids=ids).logits, frozen(input_ids=ids).logits
+    assert torch.equal(got, want)  # one process, one thread count: the same kernels on the same bf16 operands
+    dtypes = {name: p.dtype for name, p in frozen.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == dtypes["model.layers.1.mlp.down_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.norm.weight"] == torch.float32
+    if not tied:
+        assert dtypes["lm_head.weight"] == torch.bfloat16
+    assert cast_frozen_linears(model, None) is model and next(model.parameters()).dtype == torch.float32

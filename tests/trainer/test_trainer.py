@@ -338,9 +338,9 @@ def test_kl_in_reward_is_logged_and_shapes_advantages(tmp_path, model_dir):
 def test_ref_refresh_copies_the_policy(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "actor.kl_loss_coef=0.1", "algorithm.ref_refresh_steps=2")
 
-    def same() -> bool:
+    def same() -> bool:  # the reference holds the policy's weights (its linear ones in bf16 under bf16 autocast)
         ref = dict(trainer.ref_model.named_parameters())
-        return all(torch.equal(p, ref[n]) for n, p in trainer.model.named_parameters())
+        return all(torch.equal(p.to(ref[n].dtype), ref[n]) for n, p in trainer.model.named_parameters())
 
     assert same()
     trainer.train_step()

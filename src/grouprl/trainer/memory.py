@@ -56,6 +56,15 @@ class Shape:
     head_dim: int
     vocab: int
     file_bytes: int = 4  # bytes a weight takes in the checkpoint (config.json's dtype)
+    head: int = 0  # the LM head's weights when not tied to the embeddings
+
+    def frozen_copy_bytes(self, param_bytes: int, autocast_bytes: int | None) -> float:
+        """A copy that runs under autocast only (trainer.models.cast_frozen_linears): its linear
+        weights in the autocast dtype, the rest in the parameters'."""
+        if autocast_bytes is None or autocast_bytes == param_bytes:
+            return self.params * param_bytes
+        linear = self.linear + self.head
+        return linear * autocast_bytes + (self.params - linear) * param_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
@@ -77,6 +86,8 @@ def model_shape(model_cfg, config) -> Shape:
         freeze_parts(model, family, model_cfg)
     vision_prefixes = (family.tower + family.connector) if family is not None else ()
     head = model.get_output_embeddings()
+    embeddings = model.get_input_embeddings()
+    untied_head = head.weight.numel() if head is not None and head.weight is not getattr(embeddings, "weight", None) else 0
     linear = sum(
         m.weight.numel()
         for name, m in model.named_modules()
@@ -107,7 +118,7 @@ def model_shape(model_cfg, config) -> Shape:
         params=params, trainable=trainable, vision=vision, linear=linear, layer=layer,
         layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
         heads=heads, kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        vocab=text.vocab_size, file_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
+        vocab=text.vocab_size, head=untied_head, file_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
     )  # fmt: skip
 
 
@@ -346,8 +357,15 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     optimizer_here = 0.0 if offloaded else optimizer
     weights_here = 0.0 if offloaded else weights
     needs_ref = cfg.algorithm.kl_coef > 0 or a.kl_loss_coef > 0
-    reference = weights if needs_ref and not lora else 0.0
-    ahead_copy = shape.params * param_bytes * gb if r.max_staleness else 0.0
+    autocast_bytes = compute_bytes if compute_bytes != param_bytes else None
+    if not needs_ref or lora:
+        reference = 0.0
+    elif world > 1:  # sharded like the policy
+        reference = weights
+    else:  # its linear weights in the compute dtype
+        reference = shape.frozen_copy_bytes(param_bytes, autocast_bytes) * gb
+    generation_autocast = rollout_bytes if rollout_bytes != param_bytes else None
+    ahead_copy = shape.frozen_copy_bytes(param_bytes, generation_autocast) * gb if r.max_staleness else 0.0
 
     # the engine during generation
     rows = generation_rows(cfg, world)

@@ -118,6 +118,27 @@ def shape_stable_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """A model that only ever runs under autocast to `dtype` (the KL reference, the copy that
+    generates ahead, an engine process's): its linear layers' weights and biases stored in
+    `dtype`. Autocast casts a float32 weight to bf16 at every call (it caches only weights that
+    take gradients, for the length of one autocast block), so each decode step would cast the
+    whole model again; stored in bf16, the cast is a no-op and the numbers are the same (autocast
+    rounds to nearest even, as `.to` does). Weights tied to an embedding stay (the embedding's
+    lookup is not autocast), and so do norms. Half the memory of those weights. In place; the model."""
+    if dtype is None:
+        return model
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and id(module.weight) not in embedded:
+                for name in ("weight", "bias"):
+                    param = getattr(module, name)
+                    if param is not None and param.dtype != dtype and param.is_floating_point():
+                        param.data = param.data.to(dtype)
+    return model
+
+
 def autocast(device: torch.device, compute_dtype: torch.dtype | None):
     """`torch.autocast` for `compute_dtype`, or a no-op."""
     if compute_dtype is None:

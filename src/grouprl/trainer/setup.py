@@ -36,6 +36,7 @@ from grouprl.trainer.evaluation import breakdown_value, reward_config
 from grouprl.trainer.memory import PeakMeter, Plan, plan_run
 from grouprl.trainer.models import (
     autocast,
+    cast_frozen_linears,
     engine_may_differ,
     load_causal_lm,
     load_tokenizer,
@@ -300,7 +301,7 @@ def generation_engine(cfg: Config, model_path: str, device: str, dtype, rollout_
         torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     shape_stable_attention(device)
     tokenizer = load_tokenizer(cfg.model, model_path)
-    model = load_causal_lm(cfg.model, model_path, device, dtype).requires_grad_(False)
+    model = cast_frozen_linears(load_causal_lm(cfg.model, model_path, device, dtype).requires_grad_(False), rollout_dtype)
     family = None
     if is_vision_config(model.config):
         family = VisionProcessor.load(
@@ -399,9 +400,16 @@ def build(cfg: Config) -> Parts:
 
     is_lora = cfg.model.lora.rank > 0
     ref_model = make_reference(cfg, model, is_lora)
+    if isinstance(ref_model, torch.nn.Module) and not ranks.distributed:  # FSDP gathers it in the compute dtype
+        cast_frozen_linears(ref_model, compute_dtype)  # scored under the update's autocast only
     # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
     # policy on each rank (taken before sharding), loaded with the weights of each batch's version
-    shadow = copy.deepcopy(model).requires_grad_(False) if cfg.rollout.max_staleness else None
+    # (its linear weights in the generation's precision: no cast at every decode step)
+    shadow = (
+        cast_frozen_linears(copy.deepcopy(model).requires_grad_(False), rollout_dtype)
+        if cfg.rollout.max_staleness
+        else None
+    )
     sharder = Sharder(cfg, ranks, device, dtype, compute_dtype)
     policy = sharder(model)
     if isinstance(ref_model, torch.nn.Module):
