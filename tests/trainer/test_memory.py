@@ -136,8 +136,13 @@ def test_the_parts_worked_out_by_hand():
     })  # fmt: skip
     # vLLM sleeps through the update (level 2), and 16 prompts x 4 over 8 ranks is one micro-batch
     assert plan.fits and plan.worst.name == "generation"
-    # startup: every rank loads the whole float32 model before sharding (sharded loading is to come)
-    assert plan.phase("startup").parts == pytest.approx({"runtime": 1.0, "policy (whole, before sharding)": 4 * g})
+    # start-up: each GPU makes its shard, filled from rank 0's host copy a tensor at a time (the
+    # largest: the 100,000 x 2048 embedding); one GPU alone loads the whole model
+    assert plan.phase("startup").parts == pytest.approx(
+        {"runtime": 1.0, "policy shard": 4 * g / 8, "one tensor whole (while filled)": 100_000 * 2048 * 4 / GIB}
+    )
+    alone = plan_for(devices=Devices("cuda", 1, 1, 80.0)).phase("startup").parts
+    assert alone == pytest.approx({"runtime": 1.0, "policy": 4 * g})
 
 
 def test_a_second_micro_batch_holds_the_prompt_pass_gradients_and_vllm_awake_stays():

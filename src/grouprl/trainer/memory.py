@@ -3,7 +3,8 @@ the model's config.json and the run's settings alone (the model is built on the 
 count its parameters; no weight is read), before anything loads.
 
 Phases, per rank (every rank holds the same, so one is planned):
-- start-up: what loading materialises before the policy is sharded and the engine starts;
+- start-up: what loading materialises before the engine starts: one process loads the whole
+  model; on several ranks each rank makes only its shards, filled from rank 0's host copy;
 - generation: the rollout engine (vLLM's share of the device, or the built-in engine's KV cache
   and logits) beside what the trainer keeps resident meanwhile (its weights, the optimizer's
   state, the reference, the copy that generates ahead);
@@ -409,16 +410,27 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     head = (chunk * shape.vocab * 4 * 3 + tokens * shape.hidden * stream_bytes * 2) * gb
 
     startup = Phase("startup", {"runtime": runtime})
-    # loading builds each rank's whole model before sharding it, and copies it whole for the
-    # reference and the generation copy. On a CPU, weights stored in their training dtype are
-    # mapped from the file, not copied: untouched until used, unless a copy or sharding reads them
-    mapped = devices.kind == "cpu" and shape.file_bytes == param_bytes and not quantized
-    if mapped and world == 1 and not (reference or ahead_copy):
-        startup.parts["policy (mapped from its file)"] = 0.0
+    if world > 1:
+        # sharded loading: rank 0 reads the weights into host memory, every rank makes its shards
+        # on its device and fills them from rank 0's, one whole tensor at a time
+        startup.parts["policy shard (offloaded to host)" if offloaded else "policy shard"] = weights_here
+        largest = max(shape.vocab, shape.intermediate) * shape.hidden * param_bytes * gb
+        startup.parts["one tensor whole (while filled)"] = largest
+        if devices.kind == "cpu":  # the host is the device: rank 0's whole copy counts
+            startup.parts["rank 0's whole copy (host)"] = shape.params * param_bytes * gb
+        if reference:
+            startup.parts["reference shard"] = reference
     else:
-        startup.parts["policy (whole, before sharding)"] = shape.params * param_bytes * gb if not quantized else weights
-    if reference:
-        startup.parts["reference (whole)"] = shape.params * param_bytes * gb
+        # one process loads the whole model, and copies it for the reference. On a CPU, weights
+        # stored in their training dtype are mapped from the file, not copied: untouched until
+        # used, unless a copy reads them
+        mapped = devices.kind == "cpu" and shape.file_bytes == param_bytes and not quantized
+        if mapped and not (reference or ahead_copy):
+            startup.parts["policy (mapped from its file)"] = 0.0
+        else:
+            startup.parts["policy"] = shape.params * param_bytes * gb if not quantized else weights
+        if reference:
+            startup.parts["reference"] = reference
     if ahead_copy:
         startup.parts["generation copy"] = ahead_copy
 

@@ -277,9 +277,33 @@ def config_without_weights(cfg: ModelConfig):
     return model_config(cfg, os.path.expanduser(path))
 
 
-def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype):
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside have their parameters on the meta device (no memory, no
+    initialisation work) and their buffers real: a skeleton whose weights come later (rotary
+    tables and other buffers computed at construction are kept as built)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            held = module._parameters[name]
+            module._parameters[name] = type(held)(held.to("meta"), requires_grad=held.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def load_causal_lm(
+    cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype, *, weights: bool = True
+):
     """A causal LM, or an image-text-to-text model when the config has a vision tower, ready to
-    train (parts frozen as configured, LoRA wrapped when configured)."""
+    train (parts frozen as configured, LoRA wrapped when configured). `weights=False`: the same
+    model with its parameters on the meta device (nothing read, nothing allocated) for a rank
+    whose shards come from rank 0 (parallel.shard's `source`); `device` is then unused."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from grouprl.vision.families import family_class, is_vision_config
@@ -310,12 +334,17 @@ def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtyp
         )
         kwargs["device_map"] = {"": device.index or 0}
     try:
-        model = auto.from_pretrained(model_path, **kwargs)
+        if weights:
+            model = auto.from_pretrained(model_path, **kwargs)
+        else:
+            with parameters_on_meta():
+                model = auto.from_config(config, **kwargs)
+            model.generation_config = _generation_config(model_path, model.generation_config)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(_explain_load_failure("model.path", model_path, e)) from None
     if family is not None:
         freeze_parts(model, family, cfg)
-    if cfg.quantization == "none":
+    if cfg.quantization == "none" and weights:
         model.to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -331,6 +360,17 @@ def load_causal_lm(cfg: ModelConfig, model_path: str, device: torch.device, dtyp
         if family is not None:  # peft freezes every base weight; the configured parts train fully
             freeze_parts(model.get_base_model(), family, cfg, base_frozen=True)
     return model
+
+
+def _generation_config(model_path: str, default):
+    """The folder's generation_config.json (its EOS ids: the engines stop on them), as
+    from_pretrained reads it; `default` where the folder has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return default
 
 
 def lora_config(cfg: ModelConfig, family=None):

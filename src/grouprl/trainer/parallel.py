@@ -235,9 +235,14 @@ def shard(
     reduce_dtype: torch.dtype | None = None,
     offload: bool = False,
     mesh=None,
+    source: dict[str, torch.Tensor] | None = None,
+    device: torch.device | None = None,
 ) -> Policy:
     """FSDP2 over `model`: each decoder layer, then the root (everything else); over `mesh`
-    (`device_mesh`) when given, else over every rank."""
+    (`device_mesh`) when given, else over every rank. `source` (sharded loading): rank 0's whole
+    state dict, in host memory ({} on the other ranks, whose `model` has its parameters on the
+    meta device): each rank's shards are made on `device` and filled from rank 0, a tensor at a
+    time, so no rank's device ever holds the whole model."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options: dict = {"mesh": mesh} if mesh is not None else {}
@@ -252,10 +257,38 @@ def shard(
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(policy, **options)
+    if source is not None:
+        fill_from_rank0(model, source, device)
     with torch.no_grad():  # FSDP initialises from the root's first forward, before any layer's
         policy(lambda model: None)
     policy.reshard()  # the root keeps its weights whole after a forward: the optimizer takes shards
     return policy
+
+
+def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Give `model` (sharded or whole; on ranks other than 0 its parameters on the meta device)
+    the weights of rank 0's state dict `source`, broadcast a tensor at a time; each rank keeps
+    its shard (DTensor parameters) or the whole tensor (plain ones). Buffers built on each rank
+    (rotary tables) are kept as they were."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()):
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # tied weights (embeddings and head)
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    shared.setdefault(id(param), []).append((module, name))
+        model.to_empty(device=device)  # storage for the parameters (and buffers, put back below)
+        for places in shared.values():  # to_empty gives each holder a tensor of its own: tie them again
+            first = getattr(*places[0])
+            for module, name in places[1:]:
+                module._parameters[name] = first
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(source), options=options)  # it writes the shards into the dict it is given
 
 
 def run(model, fn, *args, **kwargs):

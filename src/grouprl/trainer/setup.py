@@ -49,7 +49,7 @@ from grouprl.trainer.models import (
     shape_stable_attention,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
-from grouprl.trainer.parallel import Ranks, device_mesh, shard
+from grouprl.trainer.parallel import Ranks, device_mesh, fill_from_rank0, shard
 from grouprl.trainer.pipeline import trainable_names
 from grouprl.trainer.update import PolicyUpdater
 from grouprl.vision.families import is_vision_config
@@ -276,16 +276,17 @@ def make_sampler(cfg: Config, train_samples: list[Sample]) -> PromptSampler | On
     return PromptSampler(len(train_samples), cfg.data.train_batch_size, cfg.data.sampler, cfg.trainer.seed)
 
 
-def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool):
+def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool, skeleton=None):
     """A frozen reference only when a KL coefficient needs it. With LoRA the reference is the base
-    model with adapters disabled, not a second copy."""
+    model with adapters disabled, not a second copy. `skeleton`: builds the model without its
+    weights (several ranks: the reference is sharded and filled from rank 0's weights)."""
     if cfg.algorithm.kl_coef <= 0 and cfg.actor.kl_loss_coef <= 0:
         return None
     if is_lora:
         if cfg.algorithm.ref_refresh_steps:
             raise UserError("algorithm.ref_refresh_steps needs full fine-tuning (model.lora.rank=0)")
         return "adapters-disabled"
-    ref = copy.deepcopy(model).eval()
+    ref = (skeleton() if skeleton is not None else copy.deepcopy(model)).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
@@ -323,7 +324,8 @@ class Sharder:
         self.compute = compute_dtype if compute_dtype not in (None, dtype) else None
         self.mesh = None  # what FSDP shards over (actor.fsdp_size)
 
-    def __call__(self, model: torch.nn.Module) -> torch.nn.Module:
+    def __call__(self, model: torch.nn.Module, source: dict | None = None) -> torch.nn.Module:
+        """`source`: rank 0's whole weights ({} elsewhere) for a model built without them."""
         if not self.ranks.distributed:
             return model
         a = self.cfg.actor
@@ -332,7 +334,10 @@ class Sharder:
             self.mesh = device_mesh(self.ranks, self.device.type, a.fsdp_size)
         # on a CPU the shards live in host memory already: offloading is for accelerators
         offload = a.fsdp_offload and self.device.type != "cpu"
-        return shard(model, param_dtype=self.compute, reduce_dtype=reduce, offload=offload, mesh=self.mesh)
+        return shard(
+            model, param_dtype=self.compute, reduce_dtype=reduce, offload=offload, mesh=self.mesh, source=source,
+            device=self.device,
+        )  # fmt: skip
 
 
 def build(cfg: Config) -> Parts:
@@ -377,7 +382,12 @@ def build(cfg: Config) -> Parts:
     # the memory plan from config.json and the settings: a run that would not fit stops here,
     # before anything loads (settings that depend on the devices are settled first)
     cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
-    model = load_causal_lm(cfg.model, model_path, device, dtype)
+    # several ranks: rank 0 reads the weights into host memory, the others build the model with
+    # its parameters on the meta device; FSDP makes each rank's shards on its own device and fills
+    # them from rank 0's, a tensor at a time (Sharder's `source`): no device holds the whole model
+    reads = not ranks.distributed or ranks.main
+    model = load_causal_lm(cfg.model, model_path, torch.device("cpu") if ranks.distributed else device, dtype, weights=reads)
+    source = (dict(model.state_dict()) if reads else {}) if ranks.distributed else None
     # a VLM policy: the processor that turns prompts and observations with images into inputs
     vision = (
         VisionProcessor.load(
@@ -399,21 +409,28 @@ def build(cfg: Config) -> Parts:
     total_steps = cfg.trainer.total_steps or sampler.steps_for_epochs(cfg.trainer.total_epochs)
 
     is_lora = cfg.model.lora.rank > 0
-    ref_model = make_reference(cfg, model, is_lora)
+    # what a copy starts from: the model itself in one process; on several ranks a skeleton that
+    # is sharded (or filled whole) from rank 0's weights, never a copy of rank 0's whole model
+    skeleton = functools.partial(load_causal_lm, cfg.model, model_path, device, dtype, weights=False)
+    ref_model = make_reference(cfg, model, is_lora, skeleton if ranks.distributed else None)
     if isinstance(ref_model, torch.nn.Module) and not ranks.distributed:  # FSDP gathers it in the compute dtype
         cast_frozen_linears(ref_model, compute_dtype)  # scored under the update's autocast only
     # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
-    # policy on each rank (taken before sharding), loaded with the weights of each batch's version
-    # (its linear weights in the generation's precision: no cast at every decode step)
-    shadow = (
-        cast_frozen_linears(copy.deepcopy(model).requires_grad_(False), rollout_dtype)
-        if cfg.rollout.max_staleness
-        else None
-    )
+    # policy on each rank, loaded with the weights of each batch's version (its linear weights in
+    # the generation's precision: no cast at every decode step)
+    shadow = None
+    if cfg.rollout.max_staleness:
+        if ranks.distributed:
+            shadow = skeleton().requires_grad_(False)
+            fill_from_rank0(shadow, source, device)
+        else:
+            shadow = copy.deepcopy(model).requires_grad_(False)
+        cast_frozen_linears(shadow, rollout_dtype)
     sharder = Sharder(cfg, ranks, device, dtype, compute_dtype)
-    policy = sharder(model)
+    policy = sharder(model, source)
     if isinstance(ref_model, torch.nn.Module):
-        ref_model = sharder(ref_model)
+        ref_model = sharder(ref_model, source)
+    del source  # rank 0's host copy: every shard is filled
     params = [p for p in model.parameters() if p.requires_grad]
     a = cfg.actor
     mini_batches = cfg.data.train_batch_size // (a.mini_batch_size or cfg.data.train_batch_size)
