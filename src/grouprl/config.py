@@ -125,6 +125,8 @@ class RolloutConfig:
     """Maximum generated tokens per response (verl: data.max_response_length)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation of a sample ends once its text contains one (kept in the output)."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS to max_response_length (verl's rollout.ignore_eos): fixed response lengths for measurements (benchmarks/scale.py), not for training a model to stop."""
     mask_truncated: bool = False
     """Leave responses that hit max_response_length out of the loss."""
     gen_batch_size: int = 0

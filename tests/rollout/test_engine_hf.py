@@ -500,3 +500,28 @@ def test_a_decode_step_copies_to_the_host_as_often_for_many_rows_as_for_one(mode
             counts[rows, steps] = copies["n"]
     per_step = {rows: (counts[rows, 12] - counts[rows, 6]) / 6 for rows in (1, 8)}
     assert per_step[8] == per_step[1] <= 3
+
+
+def test_ignore_eos_samples_to_the_length_limit(model_and_tokenizer):
+    """rollout.ignore_eos (measurements at fixed lengths): EOS is sampled as any token and the
+    row goes on to max_new_tokens; without it the same draws end at the first EOS."""
+    import copy
+
+    model, tokenizer = model_and_tokenizer
+    eager = copy.deepcopy(model)
+
+    def likely_eos(module, args, out):  # EOS (id 1) the likeliest token at every step
+        out = out.clone()
+        out[..., 1] = out.max(-1).values + 3
+        return out
+
+    eager.lm_head.register_forward_hook(likely_eos)
+    engine = HFEngine(eager, tokenizer)
+    prompts = random_prompts([3, 5], len(tokenizer), seed=3)
+    stopping = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8), RowStreams(0, range(4)))
+    going = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8, ignore_eos=True), RowStreams(0, range(4)))
+    assert sum(g.finish_reason == "eos" and len(g.token_ids) < 8 for g in stopping) >= 3
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 8 for g in going)
+    for short, long in zip(stopping, going):  # the same draws up to the first EOS
+        assert long.token_ids[: len(short.token_ids)] == short.token_ids
+    assert sum(long.token_ids.count(1) for long in going) > len(going)  # EOS sampled, often, and passed

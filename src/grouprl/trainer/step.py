@@ -144,6 +144,7 @@ class Collector:
             top_k=r.top_k,
             top_p=r.top_p,
             stop=list(r.stop),
+            ignore_eos=r.ignore_eos and not evaluation,
         )
 
     def rollout(

@@ -31,6 +31,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # sample past EOS to max_new_tokens (fixed lengths, for measurements)
 
 
 @dataclass

@@ -379,7 +379,7 @@ class HFEngine:
                 tokens[idx].append(tok)
                 if log_probs is not None:
                     log_probs[idx].append(step_lp[row])
-                if tok in self.eos_token_ids:
+                if tok in self.eos_token_ids and not params.ignore_eos:
                     finish[idx] = "eos"
                     done_rows.append(row)
                 elif params.stop and self._may_end_stop(tok, stop_ends):

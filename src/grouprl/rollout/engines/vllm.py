@@ -710,6 +710,7 @@ class VLLMEngine:
             top_k=params.top_k,
             top_p=params.top_p,
             max_tokens=params.max_new_tokens,
+            ignore_eos=params.ignore_eos,
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,  # the hf engine keeps the stop string too
             detokenize=bool(params.stop),  # text is decoded here; vLLM needs it for stop strings only
