@@ -175,6 +175,11 @@ class PromptEncoder:
                 self._image_stubs[id(s)] = [replace(im, tensors={}, text="") for im in images]
             else:
                 ids = encode_prompt(self.tokenizer, messages)
+            if not ids:  # nothing to condition on: a tokenizer that does not know the text, an empty question
+                raise DataError(
+                    f"the {what} prompt of sample {s.uid!r} has no tokens: the tokenizer of "
+                    f"{self.cfg.model.tokenizer_path or self.cfg.model.path} gives none for it"
+                )
             fitted = fit_prompt(ids, d.max_prompt_length, d.prompt_overflow)
             if fitted is not None and len(fitted) < len(ids) and self.vision is not None:
                 cut = ids[: len(ids) - len(fitted)]
