@@ -1,5 +1,5 @@
 """The published configs of the models grouprl's users train (Qwen2.5 0.5B-7B, Qwen2.5-VL 3B and
-7B), as config.json folders: what the memory plan reads (`grouprl train ... --dry-run` with
+7B) and of the default recipe's SmolLM2-135M, as config.json folders: what the memory plan reads (`grouprl train ... --dry-run` with
 model.path pointing at one) and what benchmarks/scale.py builds with random weights. Nothing is
 downloaded: the numbers are those of each model's config.json on the Hugging Face hub.
 
@@ -70,7 +70,18 @@ def _qwen2_5_vl(hidden: int, intermediate: int, layers: int, heads: int, kv_head
     return text
 
 
+def _smollm2_135m() -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+
+
 ARCHITECTURES: dict[str, dict] = {
+    "smollm2-135m": _smollm2_135m(),  # the default recipe's policy (the GPU check's, where its package cannot travel)
     "qwen2.5-0.5b": _qwen2(896, 4864, 24, 14, 2, 151936, True),
     "qwen2.5-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, True),
     "qwen2.5-3b": _qwen2(2048, 11008, 36, 16, 2, 151936, True),

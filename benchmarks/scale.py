@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -93,10 +94,19 @@ def model_config(name: str, toy: bool) -> dict:
     return values
 
 
-def synthetic_tokenizer(values: dict):
-    """A word-level tokenizer over the whole vocabulary: <pad> 0 (or the config's), <eos> 1, a
-    word "wK" for every other id, a VL model's image tokens at the config's ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \n"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def synthetic_tokenizer(values: dict, characters: bool = False):
+    """A word-level tokenizer over the whole vocabulary: <pad> and <eos> (the config's EOS id), a
+    word "wK" for every other id, a VL model's image tokens at the config's ids; prompts are their
+    last message's text. `characters`: the first ids are printable characters, one token each
+    (any text tokenises, as a recipe's prompts need), with a ChatML template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab_size = values.get("vocab_size") or values["text_config"]["vocab_size"]
@@ -104,20 +114,29 @@ def synthetic_tokenizer(values: dict):
     eos = values.get("eos_token_id", 1)
     eos = eos[0] if isinstance(eos, list) else eos
     named = {eos: "<eos>", **specials}
-    pad = next(i for i in range(vocab_size) if i not in named)
-    named[pad] = "<pad>"
+    free = (i for i in range(vocab_size) if i not in named)
+    named[next(free)] = "<pad>"
+    if characters:
+        for token in ["<|im_start|>", "<|im_end|>", *CHARACTERS]:
+            named[next(free)] = token
     vocab = {named.get(i, f"w{i}"): i for i in range(vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if characters:
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+    else:
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", padding_side="left")
-    if specials:
-        tokenizer.add_special_tokens({"additional_special_tokens": list(specials.values())})
-    tokenizer.chat_template = "{{ messages[-1]['content'] }}"
+    added = list(specials.values()) + (["<|im_start|>", "<|im_end|>"] if characters else [])
+    if added:
+        tokenizer.add_special_tokens({"additional_special_tokens": added})
+    tokenizer.chat_template = CHATML if characters else "{{ messages[-1]['content'] }}"
     return tokenizer
 
 
-def write_model(name: str, folder: Path, toy: bool) -> Path:
-    """The model folder (config, random bf16 weights, tokenizer, image processor), once."""
+def write_model(name: str, folder: Path, toy: bool, characters: bool = False) -> Path:
+    """The model folder (config, random bf16 weights, tokenizer in tokenizer/, image processor),
+    once. `characters`: a tokenizer that reads any text (synthetic_tokenizer)."""
     if (folder / "config.json").is_file():
         return folder
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
@@ -129,7 +148,7 @@ def write_model(name: str, folder: Path, toy: bool) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = auto.from_config(config, dtype=torch.bfloat16)
-    tokenizer = synthetic_tokenizer(values)
+    tokenizer = synthetic_tokenizer(values, characters)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)

@@ -4,6 +4,7 @@ metrics.jsonl, a row that needs CUDA skipped, a row with a bad override failed i
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -229,8 +230,31 @@ def test_the_engine_service_row_serves_its_run_from_a_service_of_its_own(tmp_pat
     ]  # fmt: skip
     result = gpu_check.run_row(row, overrides, tmp_path, 300, 0, device="cpu")
     assert result.status == "ok", result.reason
-    assert result.summary["steps"] == 3 and result.details == ["engine service on cpu"]
+    assert result.summary["steps"] == 3 and result.details[-1] == "engine service on cpu"
+    # the run's memory plan against what it measured (asynchronous: the update's peak holds generation's)
+    assert re.fullmatch(r"plan/measured GiB: startup [\d.]+/[\d.]+, generation [\d.]+/-, update [\d.]+/[\d.]+", result.details[0])
     versions = [m["rollout/policy_version"] for m in gpu_check.step_records(gpu_check.read_jsonl(tmp_path / "asyncservice" / "metrics.jsonl"))]
     assert versions == [0, 0, 1]  # one step off policy, sampled there
     assert "engine on cpu for 127.0.0.1:" in (tmp_path / "asyncservice-service.log").read_text()
     assert "a-key-for-this-test" not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+
+
+def test_quick_runs_the_leases_rows_within_its_budget_on_a_random_smollm2(tmp_path):
+    """--quick on the CPU (the plumbing): the recipe rows train SmolLM2-135M's architecture with
+    random weights built here (the built-in model's package is too large to take to a lent GPU),
+    rows that need CUDA are skipped, the scale row reports its figures from scale.py (toy models
+    here), each within the row limit; the table says it all."""
+    code = gpu_check.main([
+        "--device", "cpu", "--quick", "--model", "random", "--steps", "1", "--work", str(tmp_path), "--no-write",
+        "--set", "bf16:rollout.max_response_length=8", "--set", "bf16:data.train_batch_size=2",
+        "--set", "bf16:rollout.n_agent=2",
+    ])  # fmt: skip
+    assert code == 0
+    section = (tmp_path / "section.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in section.splitlines() if line.startswith("| ") and " | " in line}
+    assert set(rows) >= {"bf16", "async", "asyncproc", "scale"}
+    assert "| ok |" in rows["bf16"] and "plan/measured GiB: startup" in rows["bf16"]
+    assert "skipped: needs CUDA" in rows["async"] and "skipped: needs CUDA" in rows["asyncproc"]
+    assert "| ok |" in rows["scale"] and "generation" in rows["scale"] and "tok/s" in rows["scale"]
+    assert (tmp_path / "smollm2-135m-random" / "tokenizer" / "tokenizer.json").is_file()
+    assert "model.path=" in section and "data.few_shot=false" in section

@@ -89,9 +89,9 @@ def test_the_published_configs_count_their_published_sizes():
 
         config = AutoConfig.for_model(**values)
         sizes[name] = model_shape(ModelConfig(), config).params / 1e9
-    # the model cards' sizes (Qwen2.5: 0.49B, 1.54B, 3.09B, 7.62B; Qwen2.5-VL: 3.75B, 8.29B)
+    # the model cards' sizes (SmolLM2: 135M; Qwen2.5: 0.49B, 1.54B, 3.09B, 7.62B; Qwen2.5-VL: 3.75B, 8.29B)
     assert sizes == pytest.approx(
-        {"qwen2.5-0.5b": 0.494, "qwen2.5-1.5b": 1.544, "qwen2.5-3b": 3.086, "qwen2.5-7b": 7.616,
+        {"smollm2-135m": 0.135, "qwen2.5-0.5b": 0.494, "qwen2.5-1.5b": 1.544, "qwen2.5-3b": 3.086, "qwen2.5-7b": 7.616,
          "qwen2.5-vl-3b": 3.755, "qwen2.5-vl-7b": 8.292}, abs=0.01,
     )  # fmt: skip
 
@@ -156,6 +156,19 @@ def test_a_second_micro_batch_holds_the_prompt_pass_gradients_and_vllm_awake_sta
     assert two.phase("update").parts["engine (awake)"] == 0.5 * 80
     unshared = plan_for("actor.shared_prefix=false", "actor.micro_batch_size=4", devices=Devices("cuda", 1, 1, 80.0))
     assert "gradient buffers (prompt pass)" not in unshared.phase("update").parts
+
+
+def test_autocast_keeps_a_cast_of_the_weights_in_one_process():
+    """bf16 autocast over float32 weights in one process: the casts of the linear weights live as
+    long as the rollout's autocast (built-in engine) and, in the update, as long as backward needs
+    them; in float32 there are none, and under FSDP the gathered bf16 weights are those casts."""
+    one = plan_for(devices=Devices("cuda", 1, 1, 80.0))
+    cast = 900_000_000 * 2 / GIB  # SHAPE's linear weights, tied head
+    assert one.phase("generation").parts["weights cast for autocast"] == pytest.approx(cast)
+    assert one.phase("update").parts["weights cast for autocast"] == pytest.approx(cast)
+    fp32 = plan_for("actor.dtype=float32", devices=Devices("cuda", 1, 1, 80.0))
+    assert not any("autocast" in k for p in fp32.phases for k in p.parts)
+    assert not any("autocast" in k for p in plan_for().phases for k in p.parts)  # 8 ranks
 
 
 def test_activations_per_token_match_what_autograd_keeps():

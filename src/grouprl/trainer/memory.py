@@ -389,6 +389,9 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
         logits = rows * shape.vocab * 4 * 2 * gb  # a decode step's float32 logits and their softmax
         generation_parts["KV cache"] = kv_need
         generation_parts["decode logits"] = logits
+        if world == 1 and not r.max_staleness and rollout_bytes < param_bytes:
+            # autocast keeps a cast of each trainable weight for as long as the rollout's autocast lasts
+            generation_parts["weights cast for autocast"] = (shape.linear + shape.head) * rollout_bytes * gb
         if world > 1 and not r.max_staleness:  # the built-in engine decodes on the gathered policy:
             # FSDP's all-gathered copy (in the compute dtype), beside the shards
             generation_parts["gathered policy"] = shape.params * compute_bytes * gb
@@ -459,6 +462,8 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
         update.parts["generation copy"] = ahead_copy
     update.parts["activations"] = activations
     update.parts["LM head chunk"] = head
+    if world == 1 and compute_bytes < param_bytes:  # autocast's casts of the weights, kept for backward
+        update.parts["weights cast for autocast"] = (shape.linear + shape.head) * compute_bytes * gb
     if a.shared_prefix and r.n_agent > 1 and micro_batches_per_step(cfg, world) > 1:
         # a micro-batch after the first: the decoder's weights serve two passes (the prompts'
         # and the responses'), and autograd holds the responses' weight gradients until the
