@@ -258,7 +258,7 @@ def test_missing_config_file(tmp_path):
         ),
         (["rollout.engine=vllm", "rollout.sleep_level=3"], "'rollout.sleep_level' must be 0, 1 or 2"),
         (["rollout.gpu_memory_utilization=1.5"], "'rollout.gpu_memory_utilization' must be in (0, 1]"),
-        (["rollout.engine=sglang"], "'rollout.engine' must be one of 'hf', 'vllm'"),
+        (["rollout.engine=sglang"], "'rollout.engine' must be one of 'auto', 'hf', 'vllm'"),
         (["trainer.ray_workers=-1"], "'trainer.ray_workers' must be >= 0 (0 = one per GPU of the cluster)"),
         (["trainer.ray_cpus_per_worker=0"], "'trainer.ray_cpus_per_worker' must be >= 1"),
         (

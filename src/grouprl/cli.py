@@ -182,6 +182,8 @@ def describe_rollout(cfg) -> str:
         if r.max_staleness
         else ""
     )
+    if r.engine == "auto":  # not settled (the model's config could not be read)
+        return f"rollout: auto (vLLM on CUDA where installed, else the built-in engine), {ranks}{ahead}"
     if r.engine == "hf":
         weights = "a copy of the policy" if r.max_staleness else "the trainer's own weights"
         return f"rollout: built-in engine over {weights}, {ranks}{ahead}"
@@ -311,23 +313,24 @@ def describe_plan(cfg) -> list[str]:
     return lines
 
 
-def describe_memory(cfg) -> tuple[list[str], bool]:
-    """The memory plan as table lines (from model.path's config alone), and whether it fits;
-    a config that cannot be read without loading is said in a line (and counts as fitting)."""
+def describe_memory(cfg) -> tuple[list[str], bool, object]:
+    """The memory plan as table lines (from model.path's config alone), whether it fits, and the
+    config with its device-dependent `auto` settings made concrete (as the run would); a model
+    config that cannot be read without loading is said in a line (and counts as fitting)."""
     from grouprl.errors import ModelLoadError
     from grouprl.trainer.memory import devices_for, model_shape, plan_memory, refusal, settle_for_devices
     from grouprl.trainer.models import config_without_weights
 
-    if cfg.trainer.memory_check == "off":
-        return ["memory plan: off (trainer.memory_check=off)"], True
     try:
         config = config_without_weights(cfg.model)
     except (ModelLoadError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return [f"memory plan: not made, model.path's config.json could not be read ({first})"], True
+        return [f"memory plan: not made, model.path's config.json could not be read ({first})"], True, cfg
     shape = model_shape(cfg.model, config)
     devices = devices_for(cfg)
     cfg = settle_for_devices(cfg, shape, devices)
+    if cfg.trainer.memory_check == "off":
+        return ["memory plan: off (trainer.memory_check=off)"], True, cfg
     plan = plan_memory(cfg, shape, devices)
     lines = [
         f"memory plan per device, from model.path's config ({shape.params / 1e9:.2f}B parameters, "
@@ -341,7 +344,7 @@ def describe_memory(cfg) -> tuple[list[str], bool]:
         lines.append("WARNING: " + warning)
     if not plan.fits:
         lines.append(refusal(plan, cfg, shape))
-    return lines, plan.fits or cfg.trainer.memory_check != "refuse"
+    return lines, plan.fits or cfg.trainer.memory_check != "refuse", cfg
 
 
 def cmd_train(args) -> int:
@@ -352,8 +355,8 @@ def cmd_train(args) -> int:
         return 0
     cfg = _load(args.items)
     if args.dry_run:
-        plan = describe_plan(cfg)  # reads the data files' columns: a missing one is the only line
-        memory, fits = describe_memory(cfg)
+        memory, fits, settled = describe_memory(cfg)  # `auto` settings made concrete for the devices
+        plan = describe_plan(settled)  # reads the data files' columns: a missing one is the only line
         print("config is valid. plan:")
         for line in plan + memory:
             print("  " + line)

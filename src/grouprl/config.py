@@ -93,8 +93,8 @@ class ModelConfig:
     """Parameter (master weight) dtype: auto = float32; see actor.dtype for bf16 compute."""
     quantization: Literal["none", "4bit", "8bit"] = "none"
     """Load the policy quantised with bitsandbytes (CUDA only; pair with LoRA)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in backward to save memory. auto: on for a policy of 1B parameters or more on CUDA (there the update's activations outgrow everything else), off on a CPU and below."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository."""
     attn_implementation: str | None = None
@@ -111,8 +111,8 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
-    """Rollout engine: hf = the built-in decode loop over the trainer's own model (CPU and GPU); vllm = vLLM in-process (extra `vllm`)."""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Rollout engine: hf = the built-in decode loop over the trainer's own model (CPU and GPU); vllm = vLLM in-process (extra `vllm`); auto = vLLM on CUDA where it is installed (and the policy is not bitsandbytes-quantised), else hf."""
     n_agent: int = 8
     """Samples per prompt; one group per prompt (verl: actor_rollout_ref.rollout.n_agent)."""
     temperature: float = 1.0
@@ -588,8 +588,8 @@ class ActorConfig:
     """Prompts per optimizer step (verl: ppo_mini_batch_size); 0 = the whole batch, one step."""
     micro_batch_size: int = 8
     """Samples per forward/backward (gradient accumulation inside a mini-batch)."""
-    micro_batch_tokens: int = 0
-    """Token budget per forward/backward instead of a sample count (dynamic batch size; 0 = off)."""
+    micro_batch_tokens: int | Literal["auto"] = "auto"
+    """Token budget per forward/backward instead of a sample count (dynamic batch size, verl's ppo_max_token_len_per_gpu; 0 = off: micro_batch_size rows). auto: on CUDA 16384 tokens (at least the longest sequence), on a CPU off."""
     kl_loss_coef: float = 0.0
     """KL-to-reference loss weight (verl: actor.kl_loss_coef); loads a reference when > 0."""
     kl_loss_type: str = "k3"
@@ -1341,7 +1341,10 @@ def validate(cfg: Config) -> Config:
     )
     need(cfg.actor.micro_batch_size >= 1, "config key 'actor.micro_batch_size' must be >= 1")
     need(cfg.actor.update_trim_every_layers >= 0, "config key 'actor.update_trim_every_layers' must be >= 0 (0 = off)")
-    need(cfg.actor.micro_batch_tokens >= 0, "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off)")
+    need(
+        cfg.actor.micro_batch_tokens == "auto" or cfg.actor.micro_batch_tokens >= 0,
+        "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off) or auto",
+    )
     need(
         not cfg.curriculum.dynamic_filter or cfg.data.sampler == "curriculum",
         "config key 'curriculum.dynamic_filter' needs data.sampler=curriculum",

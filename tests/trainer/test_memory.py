@@ -119,6 +119,7 @@ def test_the_parts_worked_out_by_hand():
         "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.4", "data.train_batch_size=16",
         "rollout.n_agent=4", "actor.micro_batch_size=8", "data.max_prompt_length=100",
         "rollout.max_response_length=28", "model.gradient_checkpointing=true", "actor.logits_chunk_size=256",
+        "actor.micro_batch_tokens=0",
     )  # fmt: skip
     g = 1e9 / GIB
     generation, update = plan.phase("generation").parts, plan.phase("update").parts
@@ -149,12 +150,13 @@ def test_a_second_micro_batch_holds_the_prompt_pass_gradients_and_vllm_awake_sta
     """After the first micro-batch the decoder's weight gradients of the responses' pass wait in
     autograd's buffers for the prompts' pass (shared prefix), beside the accumulated ones; an
     engine that does not sleep keeps its share through the update."""
-    one = plan_for("rollout.engine=vllm", "rollout.sleep_level=0", "actor.micro_batch_size=64", devices=Devices("cuda", 1, 1, 80.0))
-    two = plan_for("rollout.engine=vllm", "rollout.sleep_level=0", "actor.micro_batch_size=4", devices=Devices("cuda", 1, 1, 80.0))
+    rows = ["rollout.engine=vllm", "rollout.sleep_level=0", "actor.micro_batch_tokens=0"]
+    one = plan_for(*rows, "actor.micro_batch_size=64", devices=Devices("cuda", 1, 1, 80.0))
+    two = plan_for(*rows, "actor.micro_batch_size=4", devices=Devices("cuda", 1, 1, 80.0))
     assert "gradient buffers (prompt pass)" not in one.phase("update").parts
     assert two.phase("update").parts["gradient buffers (prompt pass)"] == pytest.approx(30 * 30e6 * 4 / GIB)
     assert two.phase("update").parts["engine (awake)"] == 0.5 * 80
-    unshared = plan_for("actor.shared_prefix=false", "actor.micro_batch_size=4", devices=Devices("cuda", 1, 1, 80.0))
+    unshared = plan_for("actor.shared_prefix=false", "actor.micro_batch_size=4", "actor.micro_batch_tokens=0", devices=Devices("cuda", 1, 1, 80.0))
     assert "gradient buffers (prompt pass)" not in unshared.phase("update").parts
 
 
@@ -274,9 +276,38 @@ def test_vllm_on_a_cpu_takes_the_cache_its_rollout_can_fill_not_a_share_of_the_h
     need = (8 // 2) * 4 * 256 * (30 * 2 * 4 * 128 * 4) / GIB  # rows x tokens x KV bytes per token
     assert settled.rollout.kv_cache_gb == pytest.approx(1.1 * need, abs=1e-3)
     assert settled.rollout.max_model_len == 256
-    assert settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 2, 80.0)) == cfg  # a GPU's share is its own
+    on_gpus = settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 2, 80.0)).rollout
+    assert (on_gpus.kv_cache_gb, on_gpus.max_model_len) == (0.0, 0)  # a GPU's share is its own
     explicit = load_config(None, ["rollout.engine=vllm", "rollout.kv_cache_gb=0.5"])
-    assert settle_for_devices(explicit, SHAPE, Devices("cpu", 1, 2, 24.0)) == explicit
+    assert settle_for_devices(explicit, SHAPE, Devices("cpu", 1, 2, 24.0)).rollout == explicit.rollout
+
+
+def test_auto_settings_resolve_by_device_and_model_size(monkeypatch):
+    """What a GPU user expects on a GPU and a CPU user on a CPU, from one set of defaults: vLLM
+    where it is installed on CUDA (an asynchronous run's kept awake), gradient checkpointing from
+    1B parameters on CUDA, a 16,384-token budget per micro-batch on CUDA (at least the longest
+    sequence); the built-in engine, no checkpointing and row-counted micro-batches on a CPU."""
+    import importlib.util
+
+    cfg = load_config(None, [])
+    assert (cfg.rollout.engine, cfg.model.gradient_checkpointing, cfg.actor.micro_batch_tokens) == ("auto", "auto", "auto")
+    cpu = settle_for_devices(cfg, SHAPE, Devices("cpu", 1, 1, 24.0))
+    assert (cpu.rollout.engine, cpu.model.gradient_checkpointing, cpu.actor.micro_batch_tokens) == ("hf", False, 0)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    gpu = settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 8, 80.0))
+    assert (gpu.rollout.engine, gpu.model.gradient_checkpointing, gpu.actor.micro_batch_tokens) == ("vllm", True, 16384)
+    small = settle_for_devices(cfg, replace(SHAPE, params=500_000_000), Devices("cuda", 1, 1, 80.0))
+    assert small.model.gradient_checkpointing is False
+    long = settle_for_devices(load_config(None, ["data.max_prompt_length=20000"]), SHAPE, Devices("cuda", 1, 1, 80.0))
+    assert long.actor.micro_batch_tokens == 20000 + 128
+    ahead = settle_for_devices(load_config(None, ["rollout.max_staleness=1"]), SHAPE, Devices("cuda", 1, 1, 80.0))
+    assert (ahead.rollout.engine, ahead.rollout.sleep_level) == ("vllm", 0)
+    quantised = load_config(None, ["model.quantization=4bit", "model.lora.rank=8"])
+    assert settle_for_devices(quantised, SHAPE, Devices("cuda", 1, 1, 80.0)).rollout.engine == "hf"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    assert settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 1, 80.0)).rollout.engine == "hf"  # not installed here
+    assert settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 8, 80.0, named=True)).rollout.engine == "vllm"  # a plan for there
 
 
 # ------------------------------------------------------------------------- a run

@@ -33,6 +33,7 @@ from grouprl.errors import UserError
 log = logging.getLogger(__name__)
 
 GIB = 2**30
+AUTO_MICRO_BATCH_TOKENS = 16384  # actor.micro_batch_tokens=auto on CUDA (verl's ppo_max_token_len_per_gpu default)
 PHASES = ("startup", "generation", "update")
 # outside what the model's tensors take: the CUDA context, cuBLAS workspaces and NCCL buffers
 # (about 0.5-1 GiB on an H100); on a CPU the interpreter with torch and transformers imported
@@ -326,6 +327,7 @@ def _compute_bytes(cfg: Config, devices: Devices) -> int:
 def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float | None = None) -> Plan:
     """Each phase's parts on one device (see the module docstring). `runtime_gb`: what the
     process holds besides the model (default: an estimate per device kind)."""
+    cfg = settle_for_devices(cfg, shape, devices)  # `auto` settings as the devices make them
     m, r, a = cfg.model, cfg.rollout, cfg.actor
     on_cuda = devices.kind == "cuda"
     world = devices.world
@@ -473,7 +475,7 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     if awake_in_update:
         update.parts["engine (awake)"] = awake_in_update
     resolved["gradient_checkpointing"] = str(m.gradient_checkpointing).lower()
-    resolved["micro_batch_tokens"] = str(tokens)
+    resolved["tokens per micro-batch"] = str(tokens)
     return Plan(devices, [startup, generation, update], resolved)
 
 
@@ -688,7 +690,20 @@ def settle_for_devices(cfg: Config, shape: Shape, devices: Devices) -> Config:
     "GPU" memory from the host, where every rank's engine would take it (two ranks at 0.5 take
     all of it), so on a CPU its KV cache is what one rollout can fill (cpu_kv_cache_gb) and its
     longest sequence the run's context length."""
-    r = cfg.rollout
+    from grouprl.rollout.engines import resolve_engine
+    from grouprl.trainer.models import wants_checkpointing
+
+    r, m, a = cfg.rollout, cfg.model, cfg.actor
+    if r.engine == "auto":
+        engine = resolve_engine("auto", devices.kind, quantized=m.quantization != "none", assume_installed=devices.named)
+        # an asynchronous run's vLLM stays awake (it generates while the update runs)
+        sleep = 0 if engine == "vllm" and r.max_staleness else r.sleep_level
+        r = replace(r, engine=engine, sleep_level=sleep)
+    if m.gradient_checkpointing == "auto":
+        m = replace(m, gradient_checkpointing=wants_checkpointing("auto", torch.device(devices.kind), shape.params))
+    if a.micro_batch_tokens == "auto":
+        a = replace(a, micro_batch_tokens=max(AUTO_MICRO_BATCH_TOKENS, context_length(cfg)) if devices.kind == "cuda" else 0)
+    cfg = replace(cfg, rollout=r, model=m, actor=a)
     if r.engine == "vllm" and devices.kind == "cpu" and not r.kv_cache_gb:
         bf16 = r.dtype == "bfloat16" or (r.dtype == "auto" and _compute_bytes(cfg, devices) == 2)
         need = kv_need_gb(cfg, shape, devices.world, 2 if bf16 else 4)
@@ -702,11 +717,11 @@ def plan_run(cfg: Config, config, run_dir: Path, *, write: bool) -> tuple[Config
     plan, written to <run>/memory_plan.json (`write`: this rank writes); a plan that does not
     fit stops the run with one line (trainer.memory_check=refuse) or warns (warn)."""
     check = cfg.trainer.memory_check
-    if check == "off":
-        return cfg, None
     shape = model_shape(cfg.model, config)
     devices = devices_for(cfg)
     cfg = settle_for_devices(cfg, shape, devices)
+    if check == "off":
+        return cfg, None
     runtime = current_rss_gb() if devices.kind == "cpu" and not devices.named else None
     plan = plan_memory(cfg, shape, devices, runtime_gb=runtime)
     if write:

@@ -277,6 +277,17 @@ def config_without_weights(cfg: ModelConfig):
     return model_config(cfg, os.path.expanduser(path))
 
 
+CHECKPOINTING_FROM = 1_000_000_000  # parameters: model.gradient_checkpointing=auto turns it on from here, on CUDA
+
+
+def wants_checkpointing(setting, device: torch.device, params: int) -> bool:
+    """model.gradient_checkpointing made concrete: true / false as set; auto on CUDA for a policy
+    of CHECKPOINTING_FROM parameters or more."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda" and params >= CHECKPOINTING_FROM
+    return bool(setting)
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Modules built inside have their parameters on the meta device (no memory, no
@@ -346,7 +357,8 @@ def load_causal_lm(
         freeze_parts(model, family, cfg)
     if cfg.quantization == "none" and weights:
         model.to(device)
-    if cfg.gradient_checkpointing:
+    checkpointing = wants_checkpointing(cfg.gradient_checkpointing, device, sum(p.numel() for p in model.parameters()))
+    if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora.rank > 0:
@@ -354,7 +366,7 @@ def load_causal_lm(
 
         if cfg.quantization != "none":
             model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=cfg.gradient_checkpointing
+                model, use_gradient_checkpointing=checkpointing
             )
         model = get_peft_model(model, lora_config(cfg, family))
         if family is not None:  # peft freezes every base weight; the configured parts train fully

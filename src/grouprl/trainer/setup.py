@@ -366,15 +366,6 @@ def build(cfg: Config) -> Parts:
     dtype = resolve_dtype(cfg.model.dtype, device)
     compute_dtype = resolve_compute_dtype(cfg.actor.dtype, device, dtype)
     rollout_dtype = resolve_rollout_dtype(cfg.rollout.dtype, device, dtype, compute_dtype)
-    # where the engine's numbers can differ from the update's (bf16, vLLM) it records its
-    # log-probs, and importance correction is on unless switched off (algorithm.rollout_is)
-    # asynchronous training samples from older weights than the update's: always a correction
-    engine_differs = (
-        engine_may_differ(cfg.rollout.engine, dtype, compute_dtype, rollout_dtype) or cfg.rollout.max_staleness > 0
-    )
-    rollout_is = cfg.algorithm.rollout_is
-    if rollout_is == "auto":
-        rollout_is = "token" if engine_differs else "off"
     if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
         log.warning(
             "actor.policy_loss=gspo with loss_agg_mode=token-mean weighs a sequence by its length, "
@@ -387,6 +378,15 @@ def build(cfg: Config) -> Parts:
     # the memory plan from config.json and the settings: a run that would not fit stops here,
     # before anything loads (settings that depend on the devices are settled first)
     cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
+    # where the engine's numbers can differ from the update's (bf16, vLLM) it records its
+    # log-probs, and importance correction is on unless switched off (algorithm.rollout_is)
+    # asynchronous training samples from older weights than the update's: always a correction
+    engine_differs = (
+        engine_may_differ(cfg.rollout.engine, dtype, compute_dtype, rollout_dtype) or cfg.rollout.max_staleness > 0
+    )
+    rollout_is = cfg.algorithm.rollout_is
+    if rollout_is == "auto":
+        rollout_is = "token" if engine_differs else "off"
     # several ranks: rank 0 reads the weights into host memory, the others build the model with
     # its parameters on the meta device; FSDP makes each rank's shards on its own device and fills
     # them from rank 0's, a tensor at a time (Sharder's `source`): no device holds the whole model

@@ -4,6 +4,8 @@ weights (pushed after every update). `process.EngineProcess` runs either in a pr
 own, fed the weights over torch.distributed (asynchronous training's rollout.engine_process).
 The agent loop and the trainer talk to the interface only."""
 
+import torch
+
 from grouprl.rollout.engines.base import (
     Generation,
     ReprefillSession,
@@ -20,8 +22,22 @@ __all__ = [
     "SamplingParams",
     "Session",
     "build_engine",
+    "resolve_engine",
     "rollout_phase",
 ]
+
+
+def resolve_engine(name: str, device_type: str, *, quantized: bool = False, assume_installed: bool = False) -> str:
+    """rollout.engine made concrete: `auto` is vLLM on CUDA where it is installed (or, planning
+    for another machine, assumed there) and the policy is not bitsandbytes-quantised, else the
+    built-in engine; a named engine stays."""
+    if name != "auto":
+        return name
+    if device_type != "cuda" or quantized:
+        return "hf"
+    import importlib.util
+
+    return "vllm" if assume_installed or importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def build_engine(
@@ -44,7 +60,9 @@ def build_engine(
     `sharded`: the FSDP2 root over `model` on several ranks (vLLM gathers its pushes layer by
     layer from it; the built-in engine generates inside the trainer's `gathered`); `device`: the
     trainer's (None: the parameters')."""
-    if cfg.engine == "hf":
+    where = torch.device(device) if device is not None else next(model.parameters()).device
+    engine = resolve_engine(cfg.engine, where.type)
+    if engine == "hf":
         from grouprl.rollout.engines.hf import HFEngine
 
         return HFEngine(
@@ -55,7 +73,7 @@ def build_engine(
             vision=vision,
             report_log_probs=cfg.check_log_probs if report_log_probs is None else report_log_probs,
         )
-    if cfg.engine == "vllm":
+    if engine == "vllm":
         from grouprl.rollout.engines.vllm import VLLMEngine
 
         return VLLMEngine(
@@ -70,4 +88,4 @@ def build_engine(
             sharded=sharded,
             device=device,
         )
-    raise ValueError(f"unknown rollout engine {cfg.engine!r}")  # config validation names the choices
+    raise ValueError(f"unknown rollout engine {engine!r}")  # config validation names the choices
