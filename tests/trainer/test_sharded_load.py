@@ -73,15 +73,22 @@ def rss_peak_gb() -> float:
 
 
 def measure_on_rank(rank: int, folder: str, whole_gb: float) -> None:
+    from grouprl.cpu.allocator import mapped_large_blocks
+
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = rss_peak_gb()
-    model = load_causal_lm(ModelConfig(path=folder), folder, CPU, torch.float32, weights=rank == 0)
-    shard(model, source=dict(model.state_dict()) if rank == 0 else {}, device=CPU)
+    # large blocks mmapped and unmapped when freed: the resident set follows the live tensors, not
+    # the holes malloc's heap keeps (which vary from run to run)
+    with mapped_large_blocks(1 << 20):
+        model = load_causal_lm(ModelConfig(path=folder), folder, CPU, torch.float32, weights=rank == 0)
+        shard(model, source=dict(model.state_dict()) if rank == 0 else {}, device=CPU)
     grew = rss_peak_gb() - before
-    if rank == 1:  # its half, a few tensors whole at a time and malloc's slack: 0.67 of it here, not
-        # the whole model (loading it whole, then sharding, takes 1.5 times the model)
-        assert grew < 0.75 * whole_gb, (grew, whole_gb)
+    print(f"rank {rank}: resident set grew by {grew:.3f} GiB, the model is {whole_gb:.3f} GiB")
+    largest_gb = 4096 * 1536 * 4 / 2**30  # an MLP weight: whole while filled, then its half
+    if rank == 1:  # its half and a tensor or two at a time, not the model (loading it whole and
+        # then sharding takes 1.5 times the model): 0.25 of 0.42 GiB here
+        assert grew < whole_gb / 2 + 3 * largest_gb, (grew, whole_gb)
     else:  # rank 0: its whole host copy and its half
         assert grew > 0.9 * whole_gb, (grew, whole_gb)
 

@@ -270,7 +270,7 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
     the weights of rank 0's state dict `source`, broadcast a tensor at a time; each rank keeps
     its shard (DTensor parameters) or the whole tensor (plain ones). Buffers built on each rank
     (rotary tables) are kept as they were."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     if any(p.is_meta for p in model.parameters()):
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -287,8 +287,23 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, dict(source), options=options)  # it writes the shards into the dict it is given
+    # a tensor at a time: rank 0's whole tensor broadcast to every rank's device, each rank
+    # copying its own part into its parameter (set_model_state_dict would hold every new shard
+    # until its end, a second copy of the model's shards)
+    main = dist.get_rank() == 0
+    with torch.no_grad():
+        for name, held in model.state_dict(keep_vars=True).items():
+            if not isinstance(held, torch.Tensor):
+                continue
+            local = held.to_local() if isinstance(held, DTensor) else held
+            whole = torch.empty(held.shape, dtype=held.dtype, device=local.device)
+            if main:
+                whole.copy_(source[name])
+            dist.broadcast(whole, src=0)
+            if isinstance(held, DTensor):  # this rank's part, computed here (no more communication)
+                whole = distribute_tensor(whole, held.device_mesh, held.placements, src_data_rank=None).to_local()
+            local.copy_(whole)
+            del whole
 
 
 def run(model, fn, *args, **kwargs):

@@ -9,6 +9,7 @@ of micro-batch means), so gradient accumulation does not change the objective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import defaultdict
@@ -162,6 +163,8 @@ class PolicyUpdater:
         "truncate"), or (mode "mask") tokens or sequences whose ratio leaves
         [`rollout_is_lower` (None: 1 / cap), `rollout_is_cap`] leave the loss (`reject`, before
         the update). `norm_length`: seq-mean-token-sum-norm's constant divisor."""
+        if cfg.micro_batch_tokens == "auto":  # a run settles it for its device (memory.settle_for_devices)
+            cfg = dataclasses.replace(cfg, micro_batch_tokens=0)  # an updater on its own counts rows
         self.cfg = cfg
         # several ranks: this one holds a block of whole groups of the step; loss weights are
         # global (over every rank's rows), gradients summed by FSDP's reduction
