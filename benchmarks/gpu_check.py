@@ -719,7 +719,7 @@ def run_scale(row: Row, work: Path, timeout: float, steps: int, device: str) -> 
     out = work / f"{row.name}.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--device", device, "--steps", str(steps),
                "--json", str(out), "--work", str(work / "scale"), "--timeout", str(timeout),
-               *(("--toy",) if device == "cpu" else ("--models", row.scale)), *row.scale_args]  # fmt: skip
+               "--models", row.scale, *(("--toy",) if device == "cpu" else ()), *row.scale_args]  # fmt: skip
     with GpuMemory() as gpu:
         code, output, limit = run_logged(command, work / f"{row.name}.log", timeout, {**os.environ, "PYTHONUNBUFFERED": "1"})
     result.commands.append(shlex.join(command))

@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: one TRL run, its args as JSON
     args = p.parse_args(argv)
-    if args.toy:
+    if args.toy and args.models == p.get_default("models"):  # every family, shrunk
         args.models = "qwen2.5-0.5b,qwen2.5-vl-3b"
         args.image_size = min(args.image_size, 56)
     unknown = [m for m in args.models.split(",") if m not in ARCHITECTURES]
