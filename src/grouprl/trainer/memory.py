@@ -423,6 +423,8 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
         startup.parts["one tensor whole (while filled)"] = largest
         if devices.kind == "cpu":  # the host is the device: rank 0's whole copy counts
             startup.parts["rank 0's whole copy (host)"] = shape.params * param_bytes * gb
+            if shape.file_bytes != param_bytes:  # and the file it converts, mapped while read
+                startup.parts["checkpoint file (mapped while converted)"] = shape.params * shape.file_bytes * gb
         if reference:
             startup.parts["reference shard"] = reference
     else:
@@ -434,6 +436,9 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
             startup.parts["policy (mapped from its file)"] = 0.0
         else:
             startup.parts["policy"] = shape.params * param_bytes * gb if not quantized else weights
+            if devices.kind == "cpu" and shape.file_bytes != param_bytes and not quantized:
+                # the file in another dtype (bf16 weights trained in float32), mapped while converted
+                startup.parts["checkpoint file (mapped while converted)"] = shape.params * shape.file_bytes * gb
         if reference:
             startup.parts["reference"] = reference
     if ahead_copy:
