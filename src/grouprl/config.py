@@ -629,6 +629,10 @@ class ActorConfig:
     """Several ranks (FSDP2): dtype of the gradient reduction; float32 keeps it exact under bf16 compute."""
     fsdp_offload: bool = False
     """Several ranks on GPUs (FSDP2): keep sharded parameters, gradients and optimizer state in host memory (ranks on a CPU hold them there already: no effect)."""
+    reference_offload: bool | Literal["auto"] = "auto"
+    """The KL reference's weights in host memory except during its log-prob pass (once a step), so generation and the update have the device's memory; auto = on CUDA (verl's examples offload the reference beside a colocated vLLM). On a CPU the host is the device: nothing moves."""
+    optimizer_offload: bool = False
+    """AdamW's state (twice the trainable weights) in host memory outside the update: generation runs without it, the update brings it back (a copy each way per step). On a CPU nothing moves."""
     fsdp_size: int = -1
     """Several ranks (FSDP2): ranks one copy of the model is sharded over; -1 = all of them. Fewer
     (e.g. the GPUs of one node) shard within groups of that many ranks and replicate across the
@@ -880,6 +884,8 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coef",
     "actor_rollout_ref.actor.fsdp_config.fsdp_size": "actor.fsdp_size",
     "actor_rollout_ref.actor.fsdp_config.param_offload": "actor.fsdp_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "actor.optimizer_offload",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "actor.reference_offload",
     "actor_rollout_ref.rollout.n_agent": "rollout.n_agent",
     "actor_rollout_ref.rollout.n": "rollout.n_agent",
     "actor_rollout_ref.rollout.temperature": "rollout.temperature",

@@ -31,6 +31,7 @@ from grouprl.trainer.memory import (
     model_shape,
     plan_memory,
     settle_for_devices,
+    what_would_fit,
 )
 from grouprl.trainer.trainer import Trainer
 from helpers import tiny_config, tiny_model_and_tokenizer
@@ -144,6 +145,41 @@ def test_the_parts_worked_out_by_hand():
     )
     alone = plan_for(devices=Devices("cuda", 1, 1, 80.0)).phase("startup").parts
     assert alone == pytest.approx({"runtime": 1.0, "policy": 4 * g})
+
+
+def test_the_reference_and_the_optimizer_state_in_host_memory_leave_generation():
+    """With a KL reference on 8 GPUs: the reference (a policy shard's size) is off the device while
+    the policy generates and through the update's own passes (it comes for its pass, before them:
+    smaller than the update's peak here); AdamW's state is off the device while generating only."""
+    kl = ["actor.kl_loss_coef=0.01", "rollout.engine=vllm", "model.gradient_checkpointing=true"]
+    kept = plan_for(*kl, "actor.reference_offload=false")
+    parked = plan_for(*kl)  # auto on CUDA
+    both = plan_for(*kl, "actor.optimizer_offload=true")
+    g = 1e9 / GIB
+    gen = lambda p: p.phase("generation").parts  # noqa: E731
+    upd = lambda p: p.phase("update").parts  # noqa: E731
+    assert gen(kept)["reference"] == pytest.approx(4 * g / 8)
+    assert gen(parked)["reference (in host memory)"] == 0 and "reference" not in gen(parked)
+    assert parked.phase("generation").peak == pytest.approx(kept.phase("generation").peak - 4 * g / 8)
+    assert upd(parked)["reference (its pass, beyond the update's own)"] == 0
+    assert parked.phase("update").peak == pytest.approx(kept.phase("update").peak - 4 * g / 8)
+    assert both.phase("generation").peak == pytest.approx(parked.phase("generation").peak - 8 * g / 8)
+    assert "optimizer state" not in gen(both) and upd(both)["optimizer state"] == pytest.approx(8 * g / 8)
+    assert both.phase("update").peak == pytest.approx(parked.phase("update").peak)
+    assert (parked.resolved["reference"], both.resolved["optimizer state"]) == (
+        "in host memory outside its pass", "in host memory outside the update"
+    )
+    # vLLM given nearly all of the device: what the trainer keeps beside it must leave
+    tight = [*kl, "rollout.gpu_memory_utilization=0.975", "actor.reference_offload=false"]
+    cfg = load_config(None, tight)
+    assert not plan_memory(cfg, SHAPE, EIGHT_GPUS).fits
+    fixes = what_would_fit(cfg, SHAPE, EIGHT_GPUS)
+    assert "actor.optimizer_offload=true" in fixes and "actor.reference_offload=true" not in fixes  # 0.47 GiB is not enough
+    assert plan_for(*tight, "actor.optimizer_offload=true").fits
+    # without a KL term there is no reference to move; a CPU moves nothing
+    assert "reference (in host memory)" not in gen(plan_for("rollout.engine=vllm"))
+    cpu = plan_for("actor.kl_loss_coef=0.01", devices=Devices("cpu", 1, 1, 24.0))
+    assert "reference" in gen(cpu) and "optimizer state" in gen(cpu)
 
 
 def test_a_second_micro_batch_holds_the_prompt_pass_gradients_and_vllm_awake_stays():
@@ -293,10 +329,12 @@ def test_auto_settings_resolve_by_device_and_model_size(monkeypatch):
     assert (cfg.rollout.engine, cfg.model.gradient_checkpointing, cfg.actor.micro_batch_tokens) == ("auto", "auto", "auto")
     cpu = settle_for_devices(cfg, SHAPE, Devices("cpu", 1, 1, 24.0))
     assert (cpu.rollout.engine, cpu.model.gradient_checkpointing, cpu.actor.micro_batch_tokens) == ("hf", False, 0)
+    assert cpu.actor.reference_offload is False  # the host is the device
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
     gpu = settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 8, 80.0))
     assert (gpu.rollout.engine, gpu.model.gradient_checkpointing, gpu.actor.micro_batch_tokens) == ("vllm", True, 16384)
+    assert gpu.actor.reference_offload is True and gpu.actor.optimizer_offload is False
     small = settle_for_devices(cfg, replace(SHAPE, params=500_000_000), Devices("cuda", 1, 1, 80.0))
     assert small.model.gradient_checkpointing is False
     long = settle_for_devices(load_config(None, ["data.max_prompt_length=20000"]), SHAPE, Devices("cuda", 1, 1, 80.0))

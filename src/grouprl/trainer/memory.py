@@ -7,7 +7,8 @@ Phases, per rank (every rank holds the same, so one is planned):
   model; on several ranks each rank makes only its shards, filled from rank 0's host copy;
 - generation: the rollout engine (vLLM's share of the device, or the built-in engine's KV cache
   and logits) beside what the trainer keeps resident meanwhile (its weights, the optimizer's
-  state, the reference, the copy that generates ahead);
+  state, the reference, the copy that generates ahead; the reference and the optimizer's state
+  in host memory with actor.reference_offload / optimizer_offload);
 - update: weights, gradients, optimizer state, activations of one micro-batch (with or without
   gradient checkpointing), the LM head's chunk of logits, whole layers under FSDP, and whatever
   of the engine stays awake.
@@ -447,8 +448,17 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     held = {"policy (offloaded to host)": 0.0, "optimizer state (offloaded)": 0.0} if offloaded else {
         "policy": weights_here, "optimizer state": optimizer_here,
     }  # fmt: skip
+    # actor.optimizer_offload: AdamW's state in host memory outside the update;
+    # actor.reference_offload: the reference's weights outside its log-prob pass (trainer/offload.py)
+    parked_optimizer = a.optimizer_offload is True and not offloaded
+    parked_reference = bool(reference) and a.reference_offload is True
     generation = Phase("generation", {"runtime": runtime, **held})
-    if reference:
+    if parked_optimizer:
+        del generation.parts["optimizer state"]
+        generation.parts["optimizer state (in host memory)"] = 0.0
+    if parked_reference:
+        generation.parts["reference (in host memory)"] = 0.0
+    elif reference:
         generation.parts["reference"] = reference
     if ahead_copy:
         generation.parts["generation copy"] = ahead_copy
@@ -463,12 +473,14 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
         update.parts["whole weights and gradients (FSDP)"] = (
             shape.params * compute_bytes + shape.trainable * reduce_bytes
         ) * gb
-    if reference:
+    if reference and not parked_reference:
         update.parts["reference"] = reference
     if ahead_copy:
         update.parts["generation copy"] = ahead_copy
     update.parts["activations"] = activations
     update.parts["LM head chunk"] = head
+    if parked_reference:  # on the device for its pass only, before the update's passes begin
+        update.parts["reference (its pass, beyond the update's own)"] = max(0.0, reference - activations - head - grads)
     if world == 1 and compute_bytes < param_bytes:  # autocast's casts of the weights, kept for backward
         update.parts["weights cast for autocast"] = (shape.linear + shape.head) * compute_bytes * gb
     if a.shared_prefix and r.n_agent > 1 and micro_batches_per_step(cfg, world) > 1:
@@ -480,6 +492,10 @@ def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float |
     if awake_in_update:
         update.parts["engine (awake)"] = awake_in_update
     resolved["gradient_checkpointing"] = str(m.gradient_checkpointing).lower()
+    if reference:
+        resolved["reference"] = "in host memory outside its pass" if parked_reference else "on the device"
+    if parked_optimizer:
+        resolved["optimizer state"] = "in host memory outside the update"
     resolved["tokens per micro-batch"] = str(tokens)
     return Plan(devices, [startup, generation, update], resolved)
 
@@ -529,6 +545,11 @@ def _variants(cfg: Config, devices: Devices):
             replace(cfg, actor=replace(a, micro_batch_tokens=length)),
             devices,
         )
+    needs_ref = (cfg.algorithm.kl_coef > 0 or a.kl_loss_coef > 0) and m.lora.rank == 0
+    if devices.kind == "cuda" and needs_ref and a.reference_offload is not True:
+        yield "actor.reference_offload=true", replace(cfg, actor=replace(a, reference_offload=True)), devices
+    if devices.kind == "cuda" and not a.optimizer_offload and not a.fsdp_offload:
+        yield "actor.optimizer_offload=true", replace(cfg, actor=replace(a, optimizer_offload=True)), devices
     if devices.world > 1 and devices.kind == "cuda" and not a.fsdp_offload:
         yield "actor.fsdp_offload=true", replace(cfg, actor=replace(a, fsdp_offload=True)), devices
     if devices.world > 1 and a.fsdp_reduce_dtype == "float32" and _compute_bytes(cfg, devices) == 2:
@@ -549,6 +570,7 @@ def _variants(cfg: Config, devices: Devices):
 def what_would_fit(cfg: Config, shape: Shape, devices: Devices, limit: int = 4) -> list[str]:
     """Settings that make the plan fit: each single change that does, else the changes taken
     together in the order tried (the first that fits with those before it)."""
+    cfg = settle_for_devices(cfg, shape, devices)  # `auto` settings as the devices make them
     singles: dict[str, str] = {}  # the first that fits of each key (the fewest GPUs or nodes)
     for setting, c, d in _variants(cfg, devices):
         key = setting.split("=")[0]
@@ -706,6 +728,8 @@ def settle_for_devices(cfg: Config, shape: Shape, devices: Devices) -> Config:
         r = replace(r, engine=engine, sleep_level=sleep)
     if m.gradient_checkpointing == "auto":
         m = replace(m, gradient_checkpointing=wants_checkpointing("auto", torch.device(devices.kind), shape.params))
+    if a.reference_offload == "auto":
+        a = replace(a, reference_offload=devices.kind == "cuda")
     if a.micro_batch_tokens == "auto":
         a = replace(a, micro_batch_tokens=max(AUTO_MICRO_BATCH_TOKENS, context_length(cfg)) if devices.kind == "cuda" else 0)
     cfg = replace(cfg, rollout=r, model=m, actor=a)

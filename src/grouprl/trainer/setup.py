@@ -48,6 +48,7 @@ from grouprl.trainer.models import (
     resolve_rollout_dtype,
     shape_stable_attention,
 )
+from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, wanted
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, fill_from_rank0, shard
 from grouprl.trainer.pipeline import trainable_names
@@ -255,6 +256,8 @@ class Parts:
     single_turn: SingleTurn
     streaming: StreamingRewards | None  # groups scored while the rest of the batch generates
     updater: PolicyUpdater
+    reference_parked: ParkedModule  # the reference's weights in host memory outside its pass
+    optimizer_parked: ParkedOptimizer  # AdamW's state in host memory outside the update
     # rollout.max_staleness > 0: what generates ahead of the update, on a thread of its own
     ahead: Ahead | None = None
 
@@ -441,6 +444,11 @@ def build(cfg: Config) -> Parts:
     mini_batches = cfg.data.train_batch_size // (a.mini_batch_size or cfg.data.train_batch_size)
     optimizer = build_optimizer(params, a.optim)
     scheduler = build_scheduler(optimizer, a.optim, total_steps * mini_batches * a.ppo_epochs)
+    # what lives in host memory between its uses (actor.reference_offload / optimizer_offload)
+    reference_parked = ParkedModule(ref_model, device, enabled=wanted(a.reference_offload, device))
+    reference_parked.out()
+    optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload))
+    optimizer_parked.out()  # (no state before the first step)
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
     ahead = None
     if cfg.rollout.max_staleness:
@@ -531,5 +539,7 @@ def build(cfg: Config) -> Parts:
         single_turn=SingleTurn(engine),
         streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
         updater=updater,
+        reference_parked=reference_parked,
+        optimizer_parked=optimizer_parked,
         ahead=ahead,
     )

@@ -425,7 +425,8 @@ class Learner:
         if p.ref_model == "adapters-disabled":
             with p.model.disable_adapter():
                 return p.updater.score_all(p.policy, tensors)
-        return p.updater.score_all(p.ref_model, tensors)
+        with p.reference_parked.present():  # in host memory outside this pass (actor.reference_offload)
+            return p.updater.score_all(p.ref_model, tensors)
 
     def learn(self, batch: StepBatch) -> dict[str, float]:
         """Advantages, the update (ppo_epochs x mini-batches), the mismatch figures and the push;
@@ -468,7 +469,8 @@ class Learner:
         t_prep = time.perf_counter()
 
         self.updating = True
-        update = p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, len(batch.samples), p.params)
+        with p.optimizer_parked.present():  # in host memory outside the update (actor.optimizer_offload)
+            update = p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, len(batch.samples), p.params)
         metrics.update(update.metrics)
         if update.old_log_probs is not None:  # on policy: the log-probs the update took as old
             tensors.old_log_probs = update.old_log_probs

@@ -6,6 +6,7 @@ setup.py, the two halves of a step from step.py, evaluation from evaluation.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -122,7 +123,8 @@ class Trainer:
         if path is None:
             return
         ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
-        state = CheckpointManager.load(path, self.policy, self.optimizer, self.scheduler, ref_model=ref)
+        with self._parked_present():  # loaded where they live during the update
+            state = CheckpointManager.load(path, self.policy, self.optimizer, self.scheduler, ref_model=ref)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -136,17 +138,25 @@ class Trainer:
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
         ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
         state = trainer_state or self._trainer_state()
-        path = self.checkpoints.save(
-            state["step"],
-            self.policy,
-            self.optimizer,
-            self.scheduler,
-            state,
-            ref_model=ref,
-            write=self.ranks.main,
-        )
+        with self._parked_present():  # saved as the update sees them (sharded saves gather on the device)
+            path = self.checkpoints.save(
+                state["step"],
+                self.policy,
+                self.optimizer,
+                self.scheduler,
+                state,
+                ref_model=ref,
+                write=self.ranks.main,
+            )
         self.ranks.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
         return path
+
+    @contextlib.contextmanager
+    def _parked_present(self):
+        """The reference and the optimizer state on the device inside (they live in host memory
+        between their uses with actor.reference_offload / optimizer_offload)."""
+        with self.parts.reference_parked.present(), self.parts.optimizer_parked.present():
+            yield
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
@@ -185,7 +195,8 @@ class Trainer:
             self._step_clock = now
         refresh = self.cfg.algorithm.ref_refresh_steps
         if refresh and self.step % refresh == 0 and isinstance(self.ref_model, torch.nn.Module):
-            inner(self.ref_model).load_state_dict(self.model.state_dict())
+            with self.parts.reference_parked.present():
+                inner(self.ref_model).load_state_dict(self.model.state_dict())
         # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
