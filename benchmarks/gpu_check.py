@@ -147,6 +147,10 @@ ROWS = [
         needs=("cuda",),
         service=True,
     ),
+    Row("kl", "default recipe with a KL reference (kl_loss_coef 0.01), kept on the GPU",
+        ["actor.kl_loss_coef=0.01", "actor.reference_offload=false"], 4),  # fmt: skip
+    Row("klparked", "the same, reference and AdamW state in host memory between their uses",
+        ["actor.kl_loss_coef=0.01", "actor.reference_offload=true", "actor.optimizer_offload=true"], 4),  # fmt: skip
     Row(
         "vlm",
         "embedded VLM (configs/vlm.yaml)",
@@ -166,6 +170,7 @@ GROUPS = {
     "vllm": ["vllm0", "vllm1", "vllm2"],
     "async": ["async", "asyncproc", "asyncsplit", "asyncservice"],
     "scales": ["scale", "scale7b", "scaletrl"],
+    "offload": ["kl", "klparked"],
     "quick": ["bf16", "async", "asyncproc", "scale"],  # --quick: what a 15-minute lease must show
     "all": [r.name for r in ROWS],
 }
