@@ -432,3 +432,49 @@ def test_shared_opening_under_gradient_checkpointing():
     assert counts["layer_calls"] == 2 * 3 * n_layers
     # the opening once; the rests (5, 9, 1 tokens) left-padded to 9; the packed responses as before
     assert counts["tokens"] == OPENING + len(PROMPT_LENGTHS) * max(PROMPT_LENGTHS) + 3 * 11
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_a_flash_attention_model_runs_the_shared_prefix_through_sdpa(batch):
+    """flash-attention's kernels take padding masks only; the shared-prefix path's packed
+    responses need block masks. Stood in for by a kernel registered under a flash name that
+    refuses a 4-D mask (as flash_attention_2 cannot read one): without `block_masks` the packed
+    pass reaches it; inside, forward and the checkpointed backward run on sdpa with the exact
+    values and gradients, and the model's own setting is back after."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import flash_attention_mask
+
+    from grouprl.trainer.logprobs import block_masks
+
+    seen = []
+
+    def flash_like(module, query, key, value, attention_mask, **kwargs):
+        seen.append(None if attention_mask is None else attention_mask.dim())
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("a flash kernel takes padding masks only")
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)  # values not checked
+
+    AttentionInterface.register("flash_like", flash_like)
+    AttentionMaskInterface.register("flash_like", flash_attention_mask)
+    model = exact_float64_norms(tiny_model_and_tokenizer(dtype=torch.float64, seed=3)[0])
+    mask = batch.response_mask
+    ref_lp, ref_ent = reference(model, batch)
+    expected = grads(model, scalar_loss(ref_lp, ref_ent, mask))
+    model.config._attn_implementation_internal = "flash_like"
+    with pytest.raises(ValueError, match="padding masks only"):
+        response_log_probs(model, batch, shared_prefix=True)
+    assert 4 in seen
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    seen.clear()
+    with block_masks(model) as switched:
+        lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True)
+        got = grads(model, scalar_loss(lp, ent, mask))  # checkpointed layers recompute in here
+    assert switched == ["flash_like"] and seen == []
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=ATOL)
+    assert_grads_close(got, expected, GRAD_RTOL)
+    assert model.config._attn_implementation == "flash_like"
+    with block_masks(model, enabled=False) as switched:  # actor.shared_prefix=false: 2-D masks only
+        assert switched == [] and model.config._attn_implementation == "flash_like"

@@ -52,6 +52,31 @@ def prompt_keys(prompt_ids: list[list[int]], prompt_images: list[list] | None) -
     return [(tuple(p), tuple(im.key for im in images)) for p, images in zip(prompt_ids, prompt_images)]
 
 
+@contextlib.contextmanager
+def block_masks(model, enabled: bool = True):
+    """Within the block, a model whose attention takes padding masks only (flash-attention's
+    kernels: `model.attn_implementation=flash_attention_2`) attends through `sdpa`, which takes
+    the shared-prefix path's block masks ([rows, 1, queries, keys]: each packed response sees
+    its prompt and itself); a flash kernel given one would read it as a padding mask. Covers
+    backward too (checkpointed layers recompute inside it). Yields the configs switched."""
+    configs = []
+    if enabled:
+        seen = set()
+        for module in model.modules():
+            config = getattr(module, "config", None)
+            name = getattr(config, "_attn_implementation", None) or ""
+            if id(config) not in seen and "flash" in name:
+                seen.add(id(config))
+                configs.append((config, name))
+    for config, _ in configs:
+        config._attn_implementation_internal = "sdpa"
+    try:
+        yield [name for _, name in configs]
+    finally:
+        for config, name in configs:
+            config._attn_implementation_internal = name
+
+
 def _decoder_and_head(model):
     """The transformer body (returns hidden states) and the LM head, through a peft wrapper."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -416,6 +416,13 @@ def build(cfg: Config) -> Parts:
     sampler = make_sampler(cfg, train_samples)
     total_steps = cfg.trainer.total_steps or sampler.steps_for_epochs(cfg.trainer.total_epochs)
 
+    attention = getattr(model.config, "_attn_implementation", None) or ""
+    if "flash" in attention and cfg.actor.shared_prefix:
+        log.info(
+            "model.attn_implementation=%s: generation and evaluation attend through it; the update's "
+            "shared-prefix passes through sdpa (their block masks are 4-D, a flash kernel takes padding "
+            "masks only; actor.shared_prefix=false runs whole sequences through %s)", attention, attention
+        )
     is_lora = cfg.model.lora.rank > 0
     # what a copy starts from: the model itself in one process; on several ranks a skeleton that
     # is sharded (or filled whole) from rank 0's weights, never a copy of rank 0's whole model

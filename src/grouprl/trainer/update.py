@@ -25,6 +25,7 @@ from grouprl.trainer.logprobs import (
     OPENING_MIN_TOKENS,
     Prefix,
     ResponseBatch,
+    block_masks,
     head_grad_into_param,
     prefix_forward,
     prompt_keys,
@@ -253,11 +254,12 @@ class PolicyUpdater:
     def score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         """Log-probs of every row without gradient (old or reference policy), [N, R], in the
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
-        if self.ranks.distributed:  # on whole weights: ranks run different numbers of passes
-            with gathered(model):
+        with block_masks(model, self.cfg.shared_prefix):
+            if self.ranks.distributed:  # on whole weights: ranks run different numbers of passes
+                with gathered(model):
+                    return self._score_all(model, tensors)
+            with cpu.lean_scoring(model, self.cfg):
                 return self._score_all(model, tensors)
-        with cpu.lean_scoring(model, self.cfg):
-            return self._score_all(model, tensors)
 
     def _score_all(self, model, tensors: StepTensors) -> torch.Tensor:
         out = None
@@ -311,10 +313,11 @@ class PolicyUpdater:
         optimizer step each; `tensors` are read, never written."""
         # the head's weight gradient goes straight into .grad (logprobs.py); on a CPU, the layers
         # keep fewer activations and freed memory goes back to the OS (grouprl.cpu)
-        if self.ranks.distributed:  # the CPU devices patch layers FSDP already manages
-            return self._update(model, optimizer, scheduler, tensors, num_prompts, params, lambda: None)
-        with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
-            return self._update(model, optimizer, scheduler, tensors, num_prompts, params, before_backward)
+        with block_masks(model, self.cfg.shared_prefix):  # flash kernels take no block masks: sdpa
+            if self.ranks.distributed:  # the CPU devices patch layers FSDP already manages
+                return self._update(model, optimizer, scheduler, tensors, num_prompts, params, lambda: None)
+            with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
+                return self._update(model, optimizer, scheduler, tensors, num_prompts, params, before_backward)
 
     def _update(
         self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params, before_backward
