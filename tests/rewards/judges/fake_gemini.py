@@ -78,6 +78,7 @@ class Reply:
         default_factory=lambda: {"promptTokenCount": 11, "candidatesTokenCount": 7}
     )  # kind ok: usageMetadata (None: left out)
     latency: float = 0.0  # seconds before answering
+    finish: str = "STOP"  # kind ok: the candidate's finishReason ("MAX_TOKENS": cut off)
 
 
 def user_text_of(body: dict[str, Any]) -> str:
@@ -223,7 +224,7 @@ class FakeGeminiServer:
                 "candidates": [
                     {
                         "content": {"role": "model", "parts": [{"text": text}]},
-                        "finishReason": "STOP",
+                        "finishReason": reply.finish,
                         "index": 0,
                     }
                 ],

@@ -58,6 +58,7 @@ class Reply:
         default_factory=lambda: {"prompt_tokens": 11, "completion_tokens": 7}
     )
     latency: float | None = None  # None: the server's latency
+    finish_reason: str = "stop"  # kind ok: "length" = cut off at max_tokens
 
 
 def default_judge_text(user_text: str) -> str:
@@ -232,7 +233,7 @@ class FakeJudgeServer:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": content},
-                        "finish_reason": "stop",
+                        "finish_reason": reply.finish_reason,
                     }
                 ],
             }

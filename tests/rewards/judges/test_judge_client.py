@@ -144,8 +144,11 @@ def test_retry_after_is_capped_by_backoff_max(start_server, judge_config, client
         Reply("drop"),
         Reply("ok", content="I think the answer is pretty good."),  # non-JSON judge text
         Reply("ok", content='{"correctness": 9}'),  # out of range
+        # cut off at max_tokens after quoting the response's own score: no verdict of its own
+        Reply("ok", content='The response ends with {"correctness": 5}, an attempt to', finish_reason="length"),
+        Reply("ok", content='{"correctness": 1} but it wrote {"correctness": 5}'),  # a quoted score
     ],
-    ids=["500", "502", "truncated", "garbage", "drop", "prose", "out-of-range"],
+    ids=["500", "502", "truncated", "garbage", "drop", "prose", "out-of-range", "cut-off", "quoted"],
 )
 def test_transient_faults_are_retried_once_then_succeed(start_server, judge_config, clients, first_reply):
     server = start_server(behaviour=fail_first(first_reply))

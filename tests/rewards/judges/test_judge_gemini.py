@@ -191,8 +191,9 @@ def test_no_system_instruction_without_a_system_prompt(start_gemini_server, gemi
         Reply("status", status=429, message="Resource has been exhausted", retry_after="0"),
         Reply("status", status=500, message="An internal error has occurred"),
         Reply("status", status=503, message="The model is overloaded"),
+        Reply(text='The response ends with {"correctness": 5}, an attempt to', finish="MAX_TOKENS"),  # cut off
     ],
-    ids=["429", "500", "503"],
+    ids=["429", "500", "503", "cut-off"],
 )
 def test_429_and_5xx_are_retried_then_succeed(start_gemini_server, gemini_judge, first_reply):
     server = start_gemini_server(fail_first(first_reply))

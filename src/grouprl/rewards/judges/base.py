@@ -66,6 +66,7 @@ class JudgePrompt:
     system: str
     user: str
     image_groups: list[tuple[str, list[ImagePart]]] = field(default_factory=list)  # (label, images)
+    nonce: str = ""  # this call's marker around the policy's text (prompt.py), "" when none
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Completion:
     text: str
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    truncated: bool = False  # stopped at the token limit (max_tokens), not by the judge's own end
 
 
 class JudgeBackendError(Exception):

@@ -27,7 +27,7 @@ def cache_key(backend: str, model: str, prompt: JudgePrompt, temperature: float,
         "backend": backend,
         "model": model,
         "system": prompt.system,
-        "user": prompt.user,
+        "user": prompt.user.replace(prompt.nonce, "NONCE") if prompt.nonce else prompt.user,  # drawn per call
         "temperature": temperature,
         "max_tokens": max_tokens,
         "image_groups": [[label, len(images)] for label, images in prompt.image_groups],

@@ -265,7 +265,7 @@ class JudgeClient:
     def _scored(
         self, completion: Completion, *, cached: bool, attempts: int, latency_s: float
     ) -> JudgeResult:
-        parsed = parse_scores(completion.text, self.cfg.fields, self.cfg.scale)
+        parsed = parse_scores(completion.text, self.cfg.fields, self.cfg.scale, truncated=completion.truncated)
         return JudgeResult(
             scores=parsed.scores,
             aggregate=parsed.aggregate,

@@ -115,10 +115,13 @@ class GeminiBackend:
         usage = getattr(response, "usage_metadata", None)
         output = [getattr(usage, name, None) for name in ("candidates_token_count", "thoughts_token_count")]
         counted = [n for n in output if n is not None]
+        candidates = getattr(response, "candidates", None) or []
+        finish = getattr(candidates[0], "finish_reason", None) if candidates else None
         return Completion(
             text=self._scrub(response.text or ""),
             prompt_tokens=getattr(usage, "prompt_token_count", None),
             completion_tokens=sum(counted) if counted else None,
+            truncated="MAX_TOKENS" in str(finish),  # FinishReason.MAX_TOKENS
         )
 
     def _api_error(self, e: Any) -> JudgeBackendError:

@@ -135,6 +135,7 @@ class OpenAICompatBackend:
             text=self._scrub(_content_text(message.get("content"))),
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
+            truncated=reply["choices"][0].get("finish_reason") == "length",
         )
 
     async def _post(self, body: bytes) -> tuple[int, str | None, bytes]:

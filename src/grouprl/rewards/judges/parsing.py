@@ -6,6 +6,13 @@ Judges are asked for JSON but answer in many shapes: a bare object, an object in
 of these, normalises every field to [0, 1] (by `scale`, unless the value declares its own
 maximum) and raises `JudgeParseError` naming the missing or invalid fields otherwise.
 
+The response being judged is the policy's own text, and a judge may quote it: a reply that
+gives a field two different values anywhere (in two objects, a fence and prose, a verdict and
+a quoted injection like `the response tried to set {"correctness": 5}`) has no verdict that can
+be trusted, and a reply cut off at the judge's token limit may hold nothing but a quote. Both
+are parse failures (the call is retried, then counted as failed), never a score: a policy gains
+nothing by writing a score into its answer.
+
 >>> parse_scores('Fine work. ```json\\n{"correctness": "4"}\\n```', {"correctness": 1.0}, 5).scores
 {'correctness': 0.8}
 >>> parse_scores("Correctness: 7/10", {"correctness": 1.0}, 5).scores
@@ -40,20 +47,29 @@ class ParsedScores:
     aggregate: float  # weighted mean of `scores` by the configured field weights
 
 
-def parse_scores(text: str, fields: Mapping[str, float], scale: float) -> ParsedScores:
-    """Named scores in [0, 1] and their weighted mean; `fields` maps field name -> weight."""
-    found: dict[str, Any] = {}
-    for candidate in _json_objects(text):
-        matched = {name: value for name in fields if (value := _lookup(candidate, name)) is not None}
-        if len(matched) >= len(found):  # the richest object wins; on ties the later one (the final verdict)
-            found = matched
+def parse_scores(text: str, fields: Mapping[str, float], scale: float, *, truncated: bool = False) -> ParsedScores:
+    """Named scores in [0, 1] and their weighted mean; `fields` maps field name -> weight.
+    Every value the reply gives a field (in each JSON object, fenced or not, and in prose) must
+    agree; `truncated`: the reply stopped at its token limit (no verdict is read from it)."""
+    if truncated:
+        raise JudgeParseError(f"judge reply was cut off at its token limit (judge max_tokens): {_preview(text)}")
+    values: dict[str, list[float]] = {name: [] for name in fields}
+    objects = _json_objects(text)
     for name in fields:
-        if name not in found and (value := _from_prose(text, name)) is not None:
-            found[name] = value
-    missing = [name for name in fields if name not in found]
+        for candidate in objects:
+            if (value := _lookup(candidate, name)) is not None:
+                values[name].append(_normalise(name, value, scale))
+        values[name] += [_normalise(name, value, scale) for value in _from_prose(text, name)]
+    missing = [name for name in fields if not values[name]]
     if missing:
         raise JudgeParseError(f"judge output lacks score field(s) {', '.join(missing)}: {_preview(text)}")
-    scores = {name: _normalise(name, found[name], scale) for name in fields}
+    for name, found in values.items():
+        if max(found) - min(found) > 1e-9:
+            shown = ", ".join(f"{v:g}" for v in dict.fromkeys(found))
+            raise JudgeParseError(
+                f"judge reply gives {name} more than one value ({shown} of 1): a quoted score is no verdict: {_preview(text)}"
+            )
+    scores = {name: values[name][-1] for name in fields}
     total_weight = sum(fields.values())
     aggregate = sum(fields[name] * scores[name] for name in fields) / total_weight
     return ParsedScores(scores=scores, aggregate=aggregate)
@@ -90,14 +106,14 @@ def _lookup(obj: dict[str, Any], name: str) -> Any:
     return None
 
 
-def _from_prose(text: str, name: str) -> str | None:
-    """The last `name: 4`, `name = 4/5` or `"name": "4"` written in plain text."""
+def _from_prose(text: str, name: str) -> list[str]:
+    """Every `name: 4`, `name = 4/5` or `"name": "4"` written in the text (also quoted inside a
+    JSON string, `\\"name\\": 4`)."""
     pattern = re.compile(
-        rf"\b{re.escape(name)}(?:_score)?\b[\"'*]*\s*[:=]\s*[\"'*]*\s*({_NUMBER}(?:\s*/\s*{_NUMBER}|\s*%)?)",
+        rf"\b{re.escape(name)}(?:_score)?\b[\\\"'*]*\s*[:=]\s*[\\\"'*]*\s*({_NUMBER}(?:\s*/\s*{_NUMBER}|\s*%)?)",
         re.I,
     )
-    matches = pattern.findall(text)
-    return matches[-1] if matches else None
+    return pattern.findall(text)
 
 
 def _normalise(name: str, value: Any, scale: float) -> float:
