@@ -41,6 +41,7 @@ from grouprl.config import RewardConfig, judge_name, model_name, stages_of
 from grouprl.errors import ConfigError, UserError
 from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rewards.judges.component import JudgeComponent
+from grouprl.rewards.judges.parsing import looks_like_verdict
 from grouprl.rewards.loader import load_reward_function
 from grouprl.rollout.trajectory import Trajectory
 
@@ -394,7 +395,14 @@ class CompositeReward:
         judged: dict[str, list[JudgeResult]] = {
             c.name: [] for c in self.components if isinstance(c.fn, JudgeComponent)
         }
+        judge_fields: dict[str, float] = {}  # every judge's score fields
+        for c in self.components:
+            if isinstance(c.fn, JudgeComponent):
+                judge_fields.update(getattr(getattr(c.fn.judge, "cfg", None), "fields", None) or {"score": 1.0})
+        formatted = 0  # responses carrying judge-format text
         for trajectory, row in zip(trajectories, values):
+            if judge_fields and looks_like_verdict(trajectory.response_text, judge_fields):
+                formatted += 1
             total = 0.0
             for component, value in zip(self.components, row):
                 if value is _GATED:
@@ -416,6 +424,8 @@ class CompositeReward:
         metrics.update({f"reward/gated/{name}": float(count) for name, count in gated.items()})
         for name, results in judged.items():
             metrics.update(_judge_metrics(name, results))
+        if judge_fields and trajectories:
+            metrics["reward/judge_format_in_response"] = formatted / len(trajectories)
         self._count_judged(judged)
         return metrics
 

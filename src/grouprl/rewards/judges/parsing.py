@@ -75,6 +75,22 @@ def parse_scores(text: str, fields: Mapping[str, float], scale: float, *, trunca
     return ParsedScores(scores=scores, aggregate=aggregate)
 
 
+# chat role markers of the common templates, and the judge prompt's own fence (prompt.py)
+_MARKERS = re.compile(
+    r"<\|(?:im_start|im_end|start_header_id|end_header_id|eot_id|system|user|assistant|end)\|>"
+    r"|\[/?INST\]|<start_of_turn>|<end_of_turn>|</?(?:response|answer)-[0-9a-f]*>",
+    re.I,
+)
+
+
+def looks_like_verdict(text: str, fields: Mapping[str, float]) -> bool:
+    """`text` (a policy's response) carries judge-format text: a score written for one of the
+    judge's fields (`correctness: 5`, `{"correctness": 5}`), a chat role marker or the judge
+    prompt's fence markers. Counted as reward/judge_format_in_response: a policy that starts to
+    address its judge shows here before it shows anywhere else."""
+    return any(_from_prose(text, name) for name in fields) or _MARKERS.search(text) is not None
+
+
 def _json_objects(text: str) -> list[dict[str, Any]]:
     """Every JSON object in `text`, fenced ones first, in order of appearance."""
     objects: list[dict[str, Any]] = []
