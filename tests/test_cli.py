@@ -137,6 +137,46 @@ def test_dry_run_names_the_correction_and_warns_about_gspo_with_token_mean(capsy
     assert "engine-trainer correction: off\n" in out
 
 
+def test_dry_run_imports_each_reward_and_checks_what_it_reads(capsys, tmp_path, no_model_load):
+    """A reward file or function that is not there, or a signature nothing can fill (TRL's
+    batch-of-completions functions), is the dry run's one error line, not a run whose every
+    reward call fails; a reward that reads the ground truth of data that has none is warned of."""
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(
+        "def exact(response, ground_truth):\n    return float(response == ground_truth)\n"
+        "def loose(response, **kwargs):\n    return 1.0\n"
+        "def reward_len(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
+    no_truth = write_jsonl(tmp_path / "no_truth.jsonl", [{"question": "q"}])
+
+    def components(*specs):
+        items = ", ".join(f"{{name: r{i}, function: '{spec}'}}" for i, spec in enumerate(specs))
+        return f"reward.components=[{items}]"
+
+    code, out, _ = run(
+        capsys, "train", "--dry-run", components(f"{rewards}:exact", f"{rewards}:loose", "soft_format"),
+        f"data.train_files=[{no_truth}]", "reward.val_metric=r0",
+    )
+    assert code == 0, out
+    assert f"reward r0: {rewards}:exact reads ground_truth, response\n" in out
+    assert f"reward r1: {rewards}:loose reads everything (**kwargs)\n" in out
+    assert "reward r2: soft_format reads everything (**kwargs)\n" in out
+    assert f"WARNING: reward r0 reads the ground truth, which {no_truth} lacks" in out
+    assert "WARNING: reward r1" not in out and "WARNING: reward r2" not in out  # named only
+    gone = tmp_path / "gone.py"
+    assert one_line_error(capsys, "train", "--dry-run", components(f"{gone}:exact"), "reward.val_metric=r0") == (
+        f"reward file not found: {gone} (from '{gone}:exact')"
+    )
+    assert one_line_error(capsys, "train", "--dry-run", components(f"{rewards}:exactly"), "reward.val_metric=r0") == (
+        f"reward file {rewards} has no function 'exactly' (callables there: exact, loose, reward_len)"
+    )
+    assert one_line_error(capsys, "train", "--dry-run", components(f"{rewards}:reward_len"), "reward.val_metric=r0") == (
+        "reward component 'r0': required argument completions is not one of response, ground_truth, prompt, "
+        "extra_info, sample, trajectory nor set in its kwargs (a TRL-style reward takes lists of completions; "
+        "grouprl calls one per response)"
+    )
+
+
 def test_explain_lists_settings(capsys, no_model_load):
     code, out, _ = run(capsys, "train", "--explain")
     assert code == 0

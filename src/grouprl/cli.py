@@ -196,6 +196,32 @@ def describe_rollout(cfg) -> str:
     )
 
 
+def describe_rewards(cfg) -> list[str]:
+    """What each rule or user reward reads (its file imported, its signature checked: a missing
+    file, function or argument is the dry run's one error line), and a warning for a reward that
+    reads the ground truth of a data file that has none (it would fail on every call)."""
+    from grouprl.data.layout import layout_of, peek
+    from grouprl.rewards.composite import describe_components
+
+    truthless = []
+    for f in [*cfg.data.train_files, *cfg.data.val_files]:
+        if Path(f).is_file():
+            columns, _, truth = peek(Path(f))
+            kind = layout_of(columns, "rl")
+            if (kind == "verl" and not truth) or (kind == "plain" and "answer" not in columns):
+                truthless.append(f)
+    lines = []
+    for name, spec, reads in describe_components(cfg.reward):
+        shown = "everything (**kwargs)" if reads is None else ", ".join(sorted(reads)) or "nothing"
+        lines.append(f"reward {name}: {spec} reads {shown}")
+        if truthless and reads is not None and "ground_truth" in reads:  # named, not only through **kwargs
+            lines.append(
+                f"WARNING: reward {name} reads the ground truth, which {', '.join(truthless)} lacks "
+                "(plain layout: an answer column; verl layout: reward_model.ground_truth): there it gets None"
+            )
+    return lines
+
+
 def describe_plan(cfg) -> list[str]:
     """What a run would do, without loading a model."""
     from grouprl.errors import missing_local_path
@@ -286,6 +312,7 @@ def describe_plan(cfg) -> list[str]:
         else ""
     )
     lines.append(f"reward: {comps}{judges}{' (streamed per group)' if cfg.reward.streaming else ''}")
+    lines += describe_rewards(cfg)
     for m in cfg.reward.models:  # each in the reward-model worker, on its own device
         what = f"{m.kind} {m.path or m.base_url or '(built-in)'} on {m.device}, batches of {m.batch_size}"
         lines.append(f"reward model {m.name}: {what}" + (f", scores {m.images_from}'s images" if m.images_from else ""))

@@ -19,7 +19,7 @@ from tiny import LOWER_FRACTION, tiny_model_dir, write_reward, write_run_config
 
 import grouprl.trainer.checkpoint as checkpoint_module
 from grouprl.config import load_config
-from grouprl.rewards.composite import JudgeUnavailableError
+from grouprl.rewards.composite import JudgeUnavailableError, RewardFailingError
 from grouprl.trainer.checkpoint import MANIFEST, CheckpointManager, problem
 from grouprl.trainer.trainer import Trainer
 from helpers import REORDERED, free_port
@@ -254,6 +254,37 @@ def test_a_judge_failing_calls_in_a_row_stops_the_run_before_the_first_step(tmp_
         "0.2s); nothing trained yet to save"
     )
     assert not (tmp_path / "runs" / "run" / "checkpoints").exists()
+
+
+def test_a_reward_that_fails_on_every_call_stops_the_run_in_its_step_saved(tmp_path, model_dir):
+    """A reward function that breaks (here: it starts reading a column the data lacks) stops the
+    run in the step it breaks in, with one line naming the component and its first error, the
+    steps before saved; failing from the first step, nothing is trained on its fallback zeros."""
+    broken = tmp_path / "broken"
+    reward = f"kwargs['extra_info']['solution'] if __import__('os').path.exists(r'{broken}') else {LOWER_FRACTION}"
+    config = write_run_config(tmp_path, model_dir, reward=reward)
+    settings = ["data.val_files=[]", "trainer.total_steps=3", "trainer.save_final=false"]
+    trainer = Trainer(load_config(config, settings))
+    step = trainer.train_step
+
+    def step_then_the_reward_breaks():
+        out = step()
+        broken.touch()
+        return out
+
+    trainer.train_step = step_then_the_reward_breaks
+    with pytest.raises(RewardFailingError) as stopped:
+        trainer.fit()
+    saved = tmp_path / "runs" / "run" / "checkpoints" / "step_1"
+    assert str(stopped.value) == (
+        "reward component 'a' failed 8 of 8 calls (more than reward.max_failed_share=0.5; first error: "
+        f"KeyError: 'solution'); saved {saved}: run the same command to resume once the reward is fixed"
+    )
+    assert problem(saved) is None and trainer.step == 1
+    fresh = Trainer(load_config(config, [*settings, "trainer.experiment_name=fresh"]))
+    with pytest.raises(RewardFailingError, match="first error: KeyError: 'solution'[)]; nothing trained yet to save$"):
+        fresh.fit()
+    assert fresh.step == 0 and not (tmp_path / "runs" / "fresh" / "checkpoints").exists()
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ A failed judge call takes the judge's `fallback`, or with `on_failure: drop_grou
 NaN: the trajectory's `reward` is then NaN, `groups_to_drop(trajectories)` names its group,
 and `reward/dropped` counts such trajectories (means and std skip them).
 
-A judge that stopped answering must not train a run on fallbacks: `judge_report()` tells, per
+A judge that stopped answering must not train a run on fallbacks: `failure_report()` tells, per
 judge, the calls and failures since it was last asked and the failed calls in a row, and
-`judges_down(every rank's reports, ...)` says whether reward.max_consecutive_failures or
+`rewards_down(every rank's reports, ...)` says whether reward.max_consecutive_failures or
 reward.max_failed_share was passed (the trainer then saves and stops).
 """
 
@@ -88,25 +88,43 @@ def _accepted_context(name: str, fn: Callable[..., Any], kwargs: dict[str, Any])
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # some builtins and C callables have no signature
         return None
+    # required parameters nothing fills: every call would fail (checked with **kwargs too)
+    missing = sorted(
+        p.name
+        for p in parameters
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in set(CONTEXT_NAMES) | set(kwargs))
+    )
+    if missing:
+        trl = " (a TRL-style reward takes lists of completions; grouprl calls one per response)" if (
+            {"completions", "prompts", "completion_ids"} & set(missing)
+        ) else ""
+        raise ConfigError(
+            f"reward component {name!r}: required argument {', '.join(missing)} is not one of "
+            f"{', '.join(CONTEXT_NAMES)} nor set in its kwargs{trl}"
+        )
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return None
     keyword_names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     unknown = sorted(set(kwargs) - keyword_names)
     if unknown:
         raise ConfigError(f"reward component {name!r}: its function takes no argument {', '.join(unknown)}")
-    missing = sorted(
-        p.name
-        for p in parameters
-        if p.default is p.empty
-        and p.kind is not p.VAR_POSITIONAL
-        and (p.kind is p.POSITIONAL_ONLY or p.name not in set(CONTEXT_NAMES) | set(kwargs))
-    )
-    if missing:
-        raise ConfigError(
-            f"reward component {name!r}: required argument {', '.join(missing)} is not one of "
-            f"{', '.join(CONTEXT_NAMES)} nor set in its kwargs"
-        )
     return frozenset(keyword_names & set(CONTEXT_NAMES))
+
+
+def describe_components(cfg: RewardConfig) -> list[tuple[str, str, frozenset[str] | None]]:
+    """Each rule or user reward as (name, spec, the context it reads; None = all of it, through
+    **kwargs), its file imported and its signature checked as a run would (a one-line
+    ConfigError otherwise). Judges and reward models are described elsewhere."""
+    out = []
+    for c in cfg.components:
+        spec = c.function or c.name
+        if judge_name(spec) is not None or model_name(spec) is not None:
+            continue
+        component = RewardComponent(name=c.name, fn=load_reward_function(spec), kwargs=dict(c.kwargs))
+        out.append((c.name, spec, component.accepted))
+    return out
 
 
 def _prompt_text(messages: list[dict[str, Any]]) -> str:
@@ -153,38 +171,59 @@ def _run_to_completion(coroutine: Coroutine[Any, Any, Any]) -> Any:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-class JudgeUnavailableError(UserError):
-    """A judge failed too often (reward.max_consecutive_failures / max_failed_share); the run stops."""
+class RewardUnavailableError(UserError):
+    """A reward failed too often (reward.max_consecutive_failures / max_failed_share): the run
+    stops, saved, rather than train on fallback values."""
+
+
+class JudgeUnavailableError(RewardUnavailableError):
+    """A judge failed too often; resuming helps once it answers again."""
+
+
+class RewardFailingError(RewardUnavailableError):
+    """A reward function (rule, user file, reward model) failed too often: a bug or a mismatch
+    between it and the data; resuming helps once it is fixed."""
+
+
+COMPONENT = "component:"  # report keys of reward components that are not judges
 
 
 @dataclass
 class JudgeTally:
-    """One judge's calls in one process since the last report, and its failed calls in a row."""
+    """One judge's (or reward component's) calls in one process since the last report, and its
+    failed calls in a row."""
 
     calls: int = 0
     failures: int = 0
     in_row: int = 0
-    error: str = ""  # the last failure's
+    error: str = ""  # a judge's last failure's; a component's first
 
 
-def judges_down(reports: list[dict[str, JudgeTally]], max_in_row: int, max_share: float) -> str | None:
-    """Why the run must stop for a judge, given every rank's `judge_report()` (the same answer on
-    every rank), or None. Failures in a row add up over the ranks (each counts its own calls)."""
-    for name in sorted({name for report in reports for name in report}):
-        tallies = [report[name] for report in reports if name in report]
+def rewards_down(
+    reports: list[dict[str, JudgeTally]], max_in_row: int, max_share: float
+) -> RewardUnavailableError | None:
+    """Why the run must stop for a judge or a reward component, given every rank's
+    `failure_report()` (the same answer on every rank), or None. Failures in a row add up over
+    the ranks (each counts its own calls)."""
+    for key in sorted({key for report in reports for key in report}):
+        tallies = [report[key] for report in reports if key in report]
         calls, failures = sum(t.calls for t in tallies), sum(t.failures for t in tallies)
         in_row = sum(t.in_row for t in tallies)
-        error = next((t.error for t in reversed(tallies) if t.error), "")
-        error = (error.splitlines() or [""])[0][:200]
+        component = key.startswith(COMPONENT)
+        errors = [t.error for t in tallies if t.error]
+        error = ((errors[0] if component else errors[-1]) if errors else "").splitlines() or [""]
+        what = f"reward component {key[len(COMPONENT):]!r}" if component else f"judge {key!r}"
+        which = "first" if component else "last"
+        kind = RewardFailingError if component else JudgeUnavailableError
         if max_in_row and in_row >= max_in_row:
-            return (
-                f"judge {name!r} failed {in_row} calls in a row (reward.max_consecutive_failures="
-                f"{max_in_row}; last error: {error})"
+            return kind(
+                f"{what} failed {in_row} calls in a row (reward.max_consecutive_failures="
+                f"{max_in_row}; {which} error: {error[0][:200]})"
             )
         if calls and failures / calls > max_share:
-            return (
-                f"judge {name!r} failed {failures} of {calls} calls (more than reward.max_failed_share="
-                f"{max_share:g}; last error: {error})"
+            return kind(
+                f"{what} failed {failures} of {calls} calls (more than reward.max_failed_share="
+                f"{max_share:g}; {which} error: {error[0][:200]})"
             )
     return None
 
@@ -250,7 +289,8 @@ class CompositeReward:
             [index[n] for n in stage] for stage in stages_of({c.name: c.gate for c in components})
         ]
         self._reported: set[str] = set()  # components whose first failure was logged
-        self._tally: dict[str, JudgeTally] = {}  # judge name -> calls since judge_report()
+        self._tally: dict[str, JudgeTally] = {}  # judge name (or COMPONENT + name) -> calls since failure_report()
+        self._in_row: dict[str, int] = {}  # a non-judge component's failed calls in a row (run-long)
         self._tally_lock = threading.Lock()  # streaming scores on its own thread
 
     @property
@@ -258,12 +298,16 @@ class CompositeReward:
         """Whether a failure can drop a group (a component with on_failure: drop_group)."""
         return any(c.on_failure == "drop_group" for c in self.components)
 
-    def judge_report(self) -> dict[str, JudgeTally]:
-        """Per judge: the calls and failures scored since the last report (which this one
-        resets), and its failed calls in a row now (run-long)."""
+    def failure_report(self) -> dict[str, JudgeTally]:
+        """Per judge, and per other component (keys `component:<name>`): the calls and failures
+        scored since the last report (which this one resets), and its failed calls in a row now
+        (run-long)."""
         with self._tally_lock:
             tally, self._tally = self._tally, {}
-        report = {}
+            in_row = dict(self._in_row)
+        report = {key: t for key, t in tally.items() if key.startswith(COMPONENT)}
+        for key, t in report.items():
+            t.in_row = in_row.get(key[len(COMPONENT) :], 0)
         for c in self.components:
             if isinstance(c.fn, JudgeComponent):
                 judge = c.fn.judge
@@ -400,6 +444,7 @@ class CompositeReward:
             if isinstance(c.fn, JudgeComponent):
                 judge_fields.update(getattr(getattr(c.fn.judge, "cfg", None), "fields", None) or {"score": 1.0})
         formatted = 0  # responses carrying judge-format text
+        called: dict[str, list[str | None]] = {}  # a non-judge component's calls: None or the problem
         for trajectory, row in zip(trajectories, values):
             if judge_fields and looks_like_verdict(trajectory.response_text, judge_fields):
                 formatted += 1
@@ -408,6 +453,10 @@ class CompositeReward:
                 if value is _GATED:
                     gated[component.name] += 1
                     value = 0.0
+                elif not isinstance(value, JudgeResult):
+                    called.setdefault(component.name, []).append(
+                        value.message if isinstance(value, _Failure) else _problem_with(value)
+                    )
                 if isinstance(value, JudgeResult):
                     judged.setdefault(component.name, []).append(value)
                     value = value.aggregate if value.ok else _Failure(value.error or "judge failed")
@@ -427,7 +476,22 @@ class CompositeReward:
         if judge_fields and trajectories:
             metrics["reward/judge_format_in_response"] = formatted / len(trajectories)
         self._count_judged(judged)
+        self._count_called(called)
         return metrics
+
+    def _count_called(self, called: dict[str, list[str | None]]) -> None:
+        """Tally the other components' calls: failures, failures in a row (run-long), the first error."""
+        with self._tally_lock:
+            for name, problems in called.items():
+                t = self._tally.setdefault(COMPONENT + name, JudgeTally())
+                t.calls += len(problems)
+                for problem in problems:
+                    if problem is None:
+                        self._in_row[name] = 0
+                        continue
+                    t.failures += 1
+                    self._in_row[name] = self._in_row.get(name, 0) + 1
+                    t.error = t.error or problem
 
     def _count_judged(self, judged: dict[str, list[JudgeResult]]) -> None:
         with self._tally_lock:

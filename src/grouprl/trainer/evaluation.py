@@ -22,7 +22,7 @@ import torch
 
 from grouprl.config import Config
 from grouprl.data import Sample, encode_prompt, fit_prompt
-from grouprl.rewards.composite import JudgeUnavailableError, judges_down
+from grouprl.rewards.composite import rewards_down
 from grouprl.rollout.engines import SamplingParams, rollout_phase
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.image_report import eval_rows
@@ -209,7 +209,7 @@ class Evaluator:
         if not keep:
             return {}
         t0 = time.perf_counter()
-        p.reward.judge_report()  # the training steps' judge calls are not this evaluation's
+        p.reward.failure_report()  # the training steps' judge calls are not this evaluation's
         batch = self.cfg.rollout.gen_batch_size or 64
         mine = self.ranks.split(len(keep))  # several ranks: each answers its block
         trajectories: list[Trajectory] = []
@@ -226,11 +226,11 @@ class Evaluator:
                 if progress is not None:
                     progress(start + len(chunk) - mine.start, len(mine))
         p.reward.score(trajectories)
-        if p.reward.judges:  # figures from fallback scores are no figures: stop, on every rank alike
-            r = self.cfg.reward
-            why = judges_down(self.ranks.gather(p.reward.judge_report()), r.max_consecutive_failures, r.max_failed_share)
-            if why is not None:
-                raise JudgeUnavailableError(f"held-out evaluation: {why}")
+        # figures from fallback scores are no figures: stop, on every rank alike
+        r = self.cfg.reward
+        down = rewards_down(self.ranks.gather(p.reward.failure_report()), r.max_consecutive_failures, r.max_failed_share)
+        if down is not None:
+            raise type(down)(f"held-out evaluation: {down}")
         # the reward draws images: keep them for the report (decided over every rank: it gathers)
         if self.ranks.reduce([float(any(t.artifacts for t in trajectories))], "max")[0]:
             self._keep_images(step, trajectories)

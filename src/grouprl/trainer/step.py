@@ -38,7 +38,7 @@ from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import Sample
 from grouprl.devices import release_cached_memory
 from grouprl.errors import ModelLoadError
-from grouprl.rewards.composite import JudgeUnavailableError, groups_to_drop, judges_down
+from grouprl.rewards.composite import groups_to_drop, rewards_down
 from grouprl.rewards.streaming import batch_summary, combine
 from grouprl.rollout.engines import SamplingParams, rollout_phase
 from grouprl.rollout.engines.hf import HFEngine
@@ -208,7 +208,8 @@ class Collector:
     # ------------------------------------------------------------------ one step's batch
     def collect(self, step: int, version: int | None = None) -> StepBatch:
         """The step's groups, generated and scored (an engine that sleeps between rollouts wakes
-        for it). Raises JudgeUnavailableError, on every rank alike, when a judge stopped answering."""
+        for it). Raises RewardUnavailableError, on every rank alike, when a judge stopped answering or a
+        reward component failed too often."""
         return self.finish(self.start(step, version))
 
     def start(self, step: int, version: int | None = None) -> Pending:
@@ -221,7 +222,7 @@ class Collector:
         started = time.perf_counter()
         pushed = getattr(p.engine, "push_seconds", None)  # an engine with its own copy of the weights
         if self.judge_tallies_per_batch:
-            p.reward.judge_report()  # an evaluation's judge calls are not this step's
+            p.reward.failure_report()  # an evaluation's judge calls are not this step's
         out = StepBatch(step=step, version=step if version is None else version, samples=[], prompts=[],
                         trajectories=[], groups=[], started=started, pushed_before=pushed)  # fmt: skip
         samples, prompts = self.next_prompts()  # the whole step's, the same on every rank
@@ -279,11 +280,12 @@ class Collector:
             clock["reward"] += time.perf_counter() - t1
         clock["generate"] += generated.end - generated.start
         metrics.update(generated.stats)
-        if p.reward.judges:
-            r = c.reward
-            why = judges_down(self.ranks.gather(p.reward.judge_report()), r.max_consecutive_failures, r.max_failed_share)
-            if why is not None:
-                raise JudgeUnavailableError(why)
+        # a judge that stopped answering, or a reward that fails on most calls, stops the run
+        # (on every rank alike) rather than train it on fallback values
+        r = c.reward
+        down = rewards_down(self.ranks.gather(p.reward.failure_report()), r.max_consecutive_failures, r.max_failed_share)
+        if down is not None:
+            raise down
         return metrics
 
     def _complete(self, pending: Pending) -> None:

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from grouprl.config import Config, to_dict
-from grouprl.rewards.composite import JudgeUnavailableError
+from grouprl.rewards.composite import JudgeUnavailableError, RewardUnavailableError
 from grouprl.rollout.engines.process import EngineProcessEnded
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -53,6 +53,11 @@ def drop_lines_after(path: Path, step: int) -> None:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
 
+
+
+def resume_when(e: RewardUnavailableError) -> str:
+    """When resuming a run a reward stopped can help."""
+    return "once the judge answers" if isinstance(e, JudgeUnavailableError) else "once the reward is fixed"
 
 class Trainer:
     def __init__(self, cfg: Config):
@@ -233,9 +238,9 @@ class Trainer:
             if self.pipeline is not None:
                 return self.pipeline.take(self.step)
             return self.collector.collect(self.step)
-        except (JudgeUnavailableError, EngineProcessEnded) as e:
+        except (RewardUnavailableError, EngineProcessEnded) as e:
             pre = self._pre_step_state
-            once = "once the judge answers" if isinstance(e, JudgeUnavailableError) else e.resume
+            once = e.resume if isinstance(e, EngineProcessEnded) else resume_when(e)
             if isinstance(e, EngineProcessEnded) and self.ranks.distributed:
                 raise
             if pre is not None and pre["step"] > 0:
@@ -321,11 +326,11 @@ class Trainer:
     def _evaluate_and_keep_best(self, logs: _Logs) -> dict[str, float]:
         try:
             val = self.evaluate(progress=logs.progress)
-        except JudgeUnavailableError as e:  # the steps trained so far are kept
+        except RewardUnavailableError as e:  # the steps trained so far are kept
             if self.step == 0:
-                raise JudgeUnavailableError(f"{e}; nothing trained yet to save") from None
+                raise type(e)(f"{e}; nothing trained yet to save") from None
             path = self.save_checkpoint()
-            raise JudgeUnavailableError(f"{e}; saved {path}: run the same command to resume once the judge answers") from None
+            raise type(e)(f"{e}; saved {path}: run the same command to resume {resume_when(e)}") from None
         self._maybe_save_best(val)
         return val
 

@@ -1,5 +1,5 @@
 """A judge that stops answering: the client counts failed calls in a row and, at the limit,
-marks itself down and fails later calls without sending them; `judges_down` turns every rank's
+marks itself down and fails later calls without sending them; `rewards_down` turns every rank's
 counts into one decision (reward.max_consecutive_failures, reward.max_failed_share)."""
 
 import pytest
@@ -7,7 +7,14 @@ import pytest
 from grouprl.config import RewardConfig
 from grouprl.data import Sample
 from grouprl.errors import ConfigError
-from grouprl.rewards.composite import CompositeReward, JudgeTally, RewardComponent, judges_down
+from grouprl.rewards.composite import (
+    CompositeReward,
+    JudgeTally,
+    JudgeUnavailableError,
+    RewardComponent,
+    RewardFailingError,
+    rewards_down,
+)
 from grouprl.rewards.judges import JudgeClient, JudgeComponent, JudgeRequest
 from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rollout.trajectory import Trajectory
@@ -51,23 +58,23 @@ def test_an_answer_resets_the_count_and_no_limit_never_marks_down(start_server, 
     assert unlimited.consecutive_failures == 10 and unlimited.down is None
 
 
-def test_judges_down_decides_over_every_rank():
+def test_rewards_down_decides_over_every_rank():
     ok = {"test": JudgeTally(calls=8, failures=0)}
-    assert judges_down([ok, ok], 50, 0.5) is None
+    assert rewards_down([ok, ok], 50, 0.5) is None
     half = {"test": JudgeTally(calls=8, failures=4, in_row=4, error="HTTP 500: oops\nmore")}
-    assert judges_down([half], 50, 0.5) is None  # half is not more than half
+    assert rewards_down([half], 50, 0.5) is None  # half is not more than half
     # one rank's calls all failed, the other's not: 8 of 16 over the run's two ranks
-    assert judges_down([{"test": JudgeTally(8, 8, 8, "HTTP 500: oops")}, ok], 50, 0.5) is None
-    why = judges_down([{"test": JudgeTally(8, 8, 8, "HTTP 500: oops\nbody")}, half], 50, 0.5)
-    assert why == (
+    assert rewards_down([{"test": JudgeTally(8, 8, 8, "HTTP 500: oops")}, ok], 50, 0.5) is None
+    why = rewards_down([{"test": JudgeTally(8, 8, 8, "HTTP 500: oops\nbody")}, half], 50, 0.5)
+    assert isinstance(why, JudgeUnavailableError) and str(why) == (
         "judge 'test' failed 12 of 16 calls (more than reward.max_failed_share=0.5; last error: HTTP 500: oops)"
     )
     # in a row: the ranks' own runs add up (30 + 30 >= 50) though neither reached the limit
     streak = [{"test": JudgeTally(calls=4, failures=1, in_row=30, error="timed out after 60s")}] * 2
-    assert judges_down(streak, 50, 0.5) == (
+    assert str(rewards_down(streak, 50, 0.5)) == (
         "judge 'test' failed 60 calls in a row (reward.max_consecutive_failures=50; last error: timed out after 60s)"
     )
-    assert judges_down(streak, 0, 1.0) is None  # both off
+    assert rewards_down(streak, 0, 1.0) is None  # both off
 
 
 def test_the_composite_reports_each_judges_calls_since_the_last_report():
@@ -95,9 +102,9 @@ def test_the_composite_reports_each_judges_calls_since_the_last_report():
         for i, text in enumerate(["good", "bad", "good", "bad", "bad"])
     ]
     reward.score(trajectories)
-    report = reward.judge_report()
+    report = reward.failure_report()
     assert report == {"vlm": JudgeTally(calls=5, failures=3, in_row=judge.consecutive_failures, error="HTTP 503: busy")}
-    assert reward.judge_report()["vlm"].calls == 0  # reset by the report
+    assert reward.failure_report()["vlm"].calls == 0  # reset by the report
     dropping = CompositeReward([RewardComponent("judge", JudgeComponent(judge), on_failure="drop_group")])
     assert dropping.drops
 
@@ -108,3 +115,42 @@ def test_the_composite_reports_each_judges_calls_since_the_last_report():
 def test_limits_are_checked(setting, value):
     with pytest.raises(ConfigError, match=f"reward.{setting}"):
         RewardConfig(**{setting: value})
+
+
+def test_a_reward_component_failing_on_most_calls_is_down_naming_its_first_error():
+    """Rule and user functions, reward models: the same limits as judges, over every rank; the
+    line names the component and its first error (the one that says what is wrong)."""
+    first = "TypeError: acc() missing 1 required positional argument: 'completions'"
+    failing = {"component:acc": JudgeTally(calls=4, failures=4, in_row=4, error=first)}
+    down = rewards_down([failing, {"component:acc": JudgeTally(calls=4, failures=1, error="ValueError: x")}], 50, 0.5)
+    assert isinstance(down, RewardFailingError)
+    assert str(down) == f"reward component 'acc' failed 5 of 8 calls (more than reward.max_failed_share=0.5; first error: {first})"
+    streak = {"component:acc": JudgeTally(calls=1, failures=1, in_row=50, error=first)}
+    assert "failed 50 calls in a row (reward.max_consecutive_failures=50" in str(rewards_down([streak], 50, 1.0))
+
+
+def make_trajectories(texts):
+    return [
+        Trajectory(sample=Sample(uid=f"u{i}", messages=[{"role": "user", "content": "q"}]), index=0, prompt_ids=[1], response_text=text)
+        for i, text in enumerate(texts)
+    ]
+
+
+def test_the_composite_tallies_every_other_components_calls_and_failures_in_a_row():
+    calls = iter([1.0, float("nan"), ValueError("no column"), 0.5, KeyError("solution"), KeyError("solution")])
+
+    def flaky(response):
+        value = next(calls)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    reward = CompositeReward([RewardComponent("flaky", flaky), RewardComponent("fine", lambda response: 1.0)])
+    reward.score(make_trajectories(["a", "b", "c"]))
+    report = reward.failure_report()
+    assert report["component:flaky"] == JudgeTally(calls=3, failures=2, in_row=2, error="ValueError: returned nan")
+    assert report["component:fine"] == JudgeTally(calls=3, failures=0, in_row=0)
+    reward.score(make_trajectories(["d", "e", "f"]))
+    report = reward.failure_report()  # since the last report; in a row: run-long
+    assert report["component:flaky"] == JudgeTally(calls=3, failures=2, in_row=2, error="KeyError: 'solution'")
+    assert rewards_down([report], 50, 0.5) is not None and rewards_down([report], 50, 0.7) is None
