@@ -1446,9 +1446,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
+        _files_beside(tree, p.resolve().parent)
     for item in overrides:
         apply_override(tree, item)
     return from_dict(tree)
+
+
+def _files_beside(tree: dict[str, Any], folder: Path) -> None:
+    """A recipe's own files named relative to it (reward files, judge prompt templates) are found
+    from any directory: a relative path that is not there from the current directory but is
+    beside the config file becomes that file's absolute path."""
+    reward = tree.get("reward")
+    if not isinstance(reward, dict):
+        return
+
+    def beside(text: str) -> str:
+        path = Path(text)
+        if path.is_absolute() or text.startswith("~") or path.exists() or not (folder / path).is_file():
+            return text
+        return str(folder / path)
+
+    for c in reward.get("components") or []:
+        if isinstance(c, dict) and isinstance(c.get("function"), str):
+            file, sep, name = c["function"].rpartition(":")
+            if sep and file.endswith(".py"):
+                c["function"] = f"{beside(file)}:{name}"
+    for j in reward.get("judges") or []:
+        if isinstance(j, dict) and isinstance(j.get("prompt_template"), str) and not j["prompt_template"].startswith("builtin:"):
+            j["prompt_template"] = beside(j["prompt_template"])
 
 
 def from_dict(tree: dict[str, Any]) -> Config:

@@ -97,7 +97,7 @@ def test_a_query_that_breaks_its_merged_batch_fails_alone(index_dir):
     assert failed[0] > 2 and failed[-1] == 1  # merged with other requests' queries, then alone
     assert (culprit.status_code, culprit.json()) == (
         500,
-        {"detail": "item 1: search failed: ValueError: cannot embed poison"},
+        {"detail": "item 1: search failed (the service's log has the error)"},  # nothing of the exception
     )
     assert [r.status_code for r in replies] == [200] * 11
     for reply, hits in zip(replies, expected):

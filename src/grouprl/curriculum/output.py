@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from grouprl.errors import DataError
+from grouprl.files import temp_folder
 
 CURRICULUM_TYPE = pa.struct(
     [
@@ -86,7 +87,7 @@ def atomic_folder(out: Path) -> Iterator[Path]:
     """Yield a temp folder; on success it replaces `out`, on any error it is removed."""
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    temp = temp_folder(f".{out.name}.tmp-", out.parent)
     try:
         yield temp
         if out.exists():

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from grouprl.errors import ConfigError, DataError
+from grouprl.files import temp_folder
 from grouprl.retriever.corpus import Document, file_sha256, read_corpus
 from grouprl.retriever.embed import DEFAULT_EMBEDDING_MODEL, Embedder
 from grouprl.retriever.fusion import DEFAULT_RRF_K, MODES, reciprocal_rank_fusion
@@ -108,8 +109,7 @@ def build_index(
     dense.add(vectors)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the index is an ordinary shared folder
+    tmp = temp_folder(f".{out.name}.tmp-", out.parent)  # a mkdir's mode: the index is an ordinary folder
     try:
         bm25.save(str(tmp / "bm25"))
         faiss.write_index(dense, str(tmp / "dense.faiss"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def load_reward_function(spec: str) -> Callable:
     """Return the reward function named by `spec`.
 
     `spec` is a key of `BUILTIN` or `path/to/file.py:function` (a relative path is read
-    from the current directory). The function may be sync or `async def`; the composite
+    from the current directory; a config file's own are made absolute beside it when it loads). The function may be sync or `async def`; the composite
     awaits coroutine results. Every failure is a one-line `ConfigError`.
     """
     spec = spec.strip()
@@ -49,9 +50,11 @@ def _load_from_file(path: Path, function_name: str, spec: str) -> Callable:
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"cannot import reward file {path}")
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # its functions pickle by reference (dataclasses, workers forked from here)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # the user's file is the user's input: report it in one line
+        del sys.modules[module_name]
         first_line = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"error importing reward file {path}: {type(e).__name__}: {first_line}") from None
     if not hasattr(module, function_name):

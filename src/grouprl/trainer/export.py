@@ -7,8 +7,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
+
+from grouprl.files import temp_folder, with_umask_modes
 
 RANDOM_PART = "[a-z0-9_]{8}"  # what tempfile.mkdtemp puts after the prefix
 
@@ -34,10 +35,11 @@ def save_into_cache(target: Path, *parts) -> None:
     """save_pretrained every part (model, tokenizer, image processor) into `target` through a
     temp folder renamed when complete; a folder another process finished first wins."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    tmp = temp_folder(target.name + ".tmp-", target.parent)
     try:
         for part in parts:
             part.save_pretrained(tmp)
+        with_umask_modes(tmp)
         if target.exists():  # another process won the race
             shutil.rmtree(tmp)
         else:
@@ -65,7 +67,7 @@ def export_model(
         model = plain_copy(model, state_dict)
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target), dir=target.parent))
+    tmp = temp_folder(temp_prefix(target), target.parent)
     try:
         to_save = model
         if merge_lora and hasattr(model, "merge_and_unload"):
@@ -76,6 +78,7 @@ def export_model(
             processor.save_pretrained(tmp)
         if meta:
             (tmp / "grouprl_meta.json").write_text(json.dumps(meta, indent=2))
+        with_umask_modes(tmp)  # readable as any folder the user makes (a server of another user)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

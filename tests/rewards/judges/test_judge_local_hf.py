@@ -128,8 +128,9 @@ def test_the_policys_text_never_becomes_the_judges_special_tokens(model_dir, jud
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    from grouprl.rewards.judges.local_hf import LocalHFBackend
     from transformers import AutoModelForCausalLM
+
+    from grouprl.rewards.judges.local_hf import LocalHFBackend
 
     cfg = judge_config(None, backend="local", model=str(model_dir), max_tokens=4, device="cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -10,7 +10,14 @@ from grouprl.errors import ConfigError
 from grouprl.rewards.judges.base import JudgeRequest
 from grouprl.rewards.judges.images import JudgeImageError, encode_image, resolve_doc_image
 from grouprl.rewards.judges.openai_compat import chat_messages
-from grouprl.rewards.judges.prompt import DATA_NOTE, GOLD_LABEL, NO_ANSWER, RETRIEVED_LABEL, load_template, render
+from grouprl.rewards.judges.prompt import (
+    DATA_NOTE,
+    GOLD_LABEL,
+    NO_ANSWER,
+    RETRIEVED_LABEL,
+    load_template,
+    render,
+)
 
 
 def png_bytes(size, mode="RGB", color=(200, 10, 10)):
