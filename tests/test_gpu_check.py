@@ -217,7 +217,7 @@ def test_no_write_and_nothing_by_default_on_the_cpu(tmp_path, capsys, monkeypatc
 def test_the_engine_service_row_serves_its_run_from_a_service_of_its_own(tmp_path, monkeypatch):
     """`asyncservice` (on the CPU here): a `grouprl engine serve` started for the row, the run's
     engine there (`rollout.engine_address`, the key through the environment), stopped after it."""
-    monkeypatch.setenv("GROUPRL_ENGINE_KEY", "a-key-for-this-test")
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", "a-key-for-this-test-of-32-chars-at-least")
     model = tmp_path / "model"
     tiny_model_and_tokenizer(model, init_std=0.02)
     data = tmp_path / "d.jsonl"
@@ -236,7 +236,7 @@ def test_the_engine_service_row_serves_its_run_from_a_service_of_its_own(tmp_pat
     versions = [m["rollout/policy_version"] for m in gpu_check.step_records(gpu_check.read_jsonl(tmp_path / "asyncservice" / "metrics.jsonl"))]
     assert versions == [0, 0, 1]  # one step off policy, sampled there
     assert "engine on cpu for 127.0.0.1:" in (tmp_path / "asyncservice-service.log").read_text()
-    assert "a-key-for-this-test" not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+    assert "a-key-for-this-test-of-32-chars-at-least" not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
 
 
 def test_quick_runs_the_leases_rows_within_its_budget_on_a_random_smollm2(tmp_path, monkeypatch):

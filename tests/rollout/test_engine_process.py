@@ -2,8 +2,9 @@
 process: the same samples from the same row streams, single calls and turns, each group handed
 back as it ends, weights pushed between turns reaching the next turn (the contexts stay there),
 an error there raised here with its traceback (the process goes on), and a process that ends
-one error naming its exit code, never a wait. Also how the weights travel (gloo or NCCL), and a
-push whose answer comes before this side sees its last send complete."""
+one error naming its exit code, never a wait. Also how the weights travel (over the pipe, or a
+group: NCCL's between GPUs), and a push whose answer comes before this side sees its last send
+complete."""
 
 import contextlib
 import functools
@@ -51,11 +52,11 @@ def remote(local):
 
 
 def test_weights_travel_by_nccl_between_two_gpus_only():
-    assert weights_backend("cpu", "cpu") == "gloo"
+    assert weights_backend("cpu", "cpu") == "connection"
     assert weights_backend("cuda:0", "cuda:1") == "nccl"
     assert weights_backend("cuda:1", "cuda:0") == "nccl"
-    assert weights_backend("cuda", "cuda:0") == "gloo"  # one GPU: one NCCL rank per device
-    assert weights_backend("cuda:0", "cpu") == weights_backend("cpu", "cuda:0") == "gloo"
+    assert weights_backend("cuda", "cuda:0") == "connection"  # one GPU: one NCCL rank per device
+    assert weights_backend("cuda:0", "cpu") == weights_backend("cpu", "cuda:0") == "connection"
 
 
 def test_the_same_samples_and_groups_as_the_engine_here(local, remote):
@@ -151,9 +152,11 @@ class LateWork:
 
 def test_an_answer_that_comes_before_the_last_send_shows_complete_ends_the_push(local):
     """The push's answer read while it waited on its last send is its answer (it was once read
-    there and then waited for again: a run that never ended)."""
+    there and then waited for again: a run that never ended). The group path (NCCL's between
+    GPUs) runs here over gloo, its rendezvous carried over the pipe."""
     changing = [name for name, _ in local.model.named_parameters() if "layers.1." in name]
-    engine = EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu")
+    engine = EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu", weights="gloo")
+    assert engine.backend == "gloo" and sorted(engine._store.keys) == ["0/0", "0/1"]  # the rendezvous, here
     try:
         engine.weights_updated(local.model)  # the first, whole push
         engine.group = LateLastSend(engine.group, engine.conn, len(changing))

@@ -5,6 +5,7 @@ pushed over the two processes' group reaching it; every way a connection can go 
 line (no key, another key, nobody listening, no free device, the engine killed), and the
 service goes on serving: a silent peer holds nobody, a freed device serves the next trainer."""
 
+import functools
 import os
 import re
 import signal
@@ -30,6 +31,7 @@ from helpers import (
 )
 
 KEY = ENGINE_KEY
+SERVICE = {}  # the module's service process: its pid
 SAMPLE = SamplingParams(max_new_tokens=6, temperature=1.0)
 
 
@@ -45,6 +47,7 @@ def build_engine(device):
 def service(tmp_path_factory):
     log = tmp_path_factory.mktemp("service") / "service.log"
     address, proc = start_engine_service(log)
+    SERVICE["pid"] = proc.pid
     yield address, log
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0  # stopped cleanly, its engines with it
@@ -71,7 +74,7 @@ def test_a_service_engine_samples_what_the_engine_here_does(service, local, key)
     silent = socket.create_connection(split_address(address))
     remote = connect(local, address)  # the silent peer before it holds nobody
     try:
-        assert remote.process is None and remote.backend == "gloo" and remote.pid != os.getpid()
+        assert remote.process is None and remote.backend == "connection" and remote.pid != os.getpid()
         prompts = random_prompts([3, 5, 2], len(local.tokenizer), seed=4)
         remote.weights_updated(local.model)
         here, there = RowStreams(7, range(6)), RowStreams(7, range(6))
@@ -155,9 +158,12 @@ def test_the_key_and_the_address_are_one_line_each(service, local, monkeypatch):
         f"cannot reach the rollout engine service at {nobody} (Connection refused): start it there with "
         "`grouprl engine serve`, or check rollout.engine_address"
     )
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY[:31])  # a key short enough to guess from its HMAC
+    with pytest.raises(UserError, match=r"^GROUPRL_ENGINE_KEY has 31 characters; use at least 32"):
+        connect(local, address)
     monkeypatch.setenv("GROUPRL_ENGINE_KEY", KEY)
     connect(local, address).close()  # the service went on serving
-    assert "holds another key" in log.read_text()
+    assert "does not hold the key (digest received was wrong)" in log.read_text()
 
 
 def test_serve_refuses_what_it_cannot_serve_in_one_line(monkeypatch, capsys):
@@ -177,3 +183,144 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(monkeypatch, capsys):
         port = taken.getsockname()[1]
         assert main(["engine", "serve", "--port", str(port)]) == 2
     assert capsys.readouterr().err.strip() == f"grouprl: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+# ------------------------------------------------------------------------- what can be reached
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP addresses the process `pid` and its children listen on (as `ss -ltnp` shows)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    found = set()
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            found |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_nothing_but_the_services_own_port_listens_and_the_weights_go_over_the_connection(service, local, key):
+    """The service's --host:port is the only port its process tree listens on while an engine
+    serves a trainer and takes its weights (the two processes' TCPStore and gloo group once
+    listened on every interface, keyless); the trainer's side opens none either."""
+    address, _ = service
+    host, port = split_address(address)
+    service_pid = SERVICE["pid"]
+    here_before = listening(os.getpid())
+    remote = connect(local, address)
+    try:
+        remote.weights_updated(local.model)  # every weight, over the connection
+        remote.generate(random_prompts([3], len(local.tokenizer), seed=5), 1, SAMPLE, RowStreams(1, [0]))
+        assert listening(service_pid) == {(host, port)}
+        assert listening(os.getpid()) == here_before
+    finally:
+        remote.close()
+
+
+def test_an_engine_process_here_listens_on_nothing(local):
+    before = listening(os.getpid())
+    remote = EngineProcess(local.model, local.tokenizer, functools.partial(build_engine, "cpu"), [], "cpu")
+    try:
+        remote.weights_updated(local.model)
+        assert remote.backend == "connection" and listening(remote.process.pid) == set()
+        assert listening(os.getpid()) == before
+    finally:
+        remote.close()
+
+
+@pytest.fixture
+def quick_service(monkeypatch, key):
+    """An engine service in this process (1 s for a whole handshake), serving on a thread."""
+    import threading
+
+    import grouprl.rollout.engines.service as service_module
+
+    monkeypatch.setattr(service_module, "HANDSHAKE_TIMEOUT_S", 1.0)
+
+    def start(host="127.0.0.1"):
+        running = service_module.EngineService(host, 0, ["cpu"])
+        threading.Thread(target=running.serve_forever, daemon=True).start()
+        started.append(running)
+        return running
+
+    started = []
+    yield start
+    for running in started:
+        running.stop()
+
+
+def test_a_peer_trickling_bytes_is_dropped_at_the_handshakes_deadline(quick_service, caplog):
+    import struct
+
+    running = quick_service()
+    with socket.create_connection(("127.0.0.1", running.port)) as peer:
+        assert peer.recv(1024)[4:].startswith(b"#CHALLENGE#")
+        t0 = time.monotonic()
+        peer.sendall(struct.pack("!i", 200))  # an answer of 200 bytes is coming... a byte at a time
+        peer.settimeout(0.2)
+        closed = False
+        while not closed and time.monotonic() - t0 < 10:  # one byte now and then kept it 30 s a read
+            try:
+                peer.sendall(b"x")
+                closed = peer.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+        assert closed and time.monotonic() - t0 < 3  # the whole handshake's 1 s, not 30 s per read
+    deadline = time.monotonic() + 5
+    while running.handshakes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running.handshakes == {}
+
+
+def test_silent_connections_cannot_crowd_out_a_trainer(quick_service, local):
+    """At most 4 handshakes from one address: a fifth is closed at once, while a trainer from
+    another address (127.0.0.2, loopback too) still gets its engine."""
+    import grouprl.rollout.engines.service as service_module
+
+    running = quick_service()
+    silent = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(service_module.MAX_PER_PEER)]
+    try:
+        for s in silent:
+            assert s.recv(1024)[4:].startswith(b"#CHALLENGE#")  # each is in its handshake
+        with socket.create_connection(("127.0.0.1", running.port)) as fifth:
+            fifth.settimeout(0.5)
+            assert fifth.recv(1024) == b""  # closed, not handshaking
+        assert running.handshakes == {"127.0.0.1": service_module.MAX_PER_PEER}
+        # another address is still served while the four wait
+        with socket.create_connection(("127.0.0.1", running.port), source_address=("127.0.0.2", 0)) as other:
+            assert other.recv(1024)[4:].startswith(b"#CHALLENGE#")
+    finally:
+        for s in silent:
+            s.close()
+    time.sleep(1.5)  # their deadline
+    assert running.handshakes == {}
+    remote = connect(local, f"127.0.0.1:{running.port}")
+    try:
+        prompts = random_prompts([3], len(local.tokenizer), seed=11)
+        remote.weights_updated(local.model)
+        assert generation_rows(remote.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == generation_rows(
+            local.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))
+        )
+    finally:
+        remote.close()
+
+
+def test_an_ipv6_address_is_served(quick_service, local):
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    running = quick_service("::1")
+    remote = connect(local, f"[::1]:{running.port}")
+    try:
+        remote.weights_updated(local.model)
+        prompts = random_prompts([4], len(local.tokenizer), seed=12)
+        assert generation_rows(remote.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))) == generation_rows(
+            local.generate(prompts, 1, SAMPLE, RowStreams(1, [0]))
+        )
+    finally:
+        remote.close()

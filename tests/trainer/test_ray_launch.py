@@ -63,6 +63,10 @@ def test_the_secrets_the_config_names_travel_and_nothing_else(monkeypatch):
     monkeypatch.delenv("UNSET_KEY", raising=False)
     tree = {"reward": {"judges": [{"api_key_env": "JUDGE_KEY"}]}, "agent": {"answer_api_key_env": "UNSET_KEY"}}
     assert _secrets({**tree, "data": {"task": "OTHER", "none_env": ""}}) == {"JUDGE_KEY": "k1"}
+    # the engine service's key, for a run whose ranks reach one
+    monkeypatch.setenv("GROUPRL_ENGINE_KEY", "k" * 32)
+    assert _secrets(tree) == {"JUDGE_KEY": "k1"}
+    assert _secrets({**tree, "rollout": {"engine_address": "10.0.0.2:7100"}}) == {"JUDGE_KEY": "k1", "GROUPRL_ENGINE_KEY": "k" * 32}
 
 
 def test_a_workers_user_error_is_found_under_rays_wrappers():

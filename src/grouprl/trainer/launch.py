@@ -58,9 +58,15 @@ def placement(cfg: Config, resources: Mapping[str, float]) -> tuple[int, bool]:
 
 
 def _secrets(tree: Any) -> dict[str, str]:
-    """The environment variables the config names as holding secrets (`*_env` keys: API keys),
-    with their values here: a worker on another node does not share this shell."""
+    """The environment variables the config names as holding secrets (`*_env` keys: API keys;
+    GROUPRL_ENGINE_KEY for a run with rollout.engine_address), with their values here: a worker
+    on another node does not share this shell."""
+    from grouprl.rollout.engines.process import KEY_ENV
+
     found: dict[str, str] = {}
+    rollout = tree.get("rollout") if isinstance(tree, dict) else None
+    if isinstance(rollout, dict) and rollout.get("engine_address") and KEY_ENV in os.environ:
+        found[KEY_ENV] = os.environ[KEY_ENV]
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
     for key, value in items:
         if isinstance(value, (dict, list)):

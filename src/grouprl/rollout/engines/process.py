@@ -6,8 +6,8 @@ policy's weights over torch.distributed, while the trainer's process updates.
     generate / open_session / turns / begin/end_rollout --> the configured engine (built-in or
         (pickled over a pipe)                                vLLM) over its own copy of the policy
     on_group_done(i, generations)                       <-- each group as soon as it has ended
-    weights_updated(model): each tensor broadcast over  --> received into the copy, then the
-        a two-process group (`weights_backend`)              engine's own weights_updated
+    weights_updated(model): each tensor's bytes over    --> received into the copy, then the
+        the connection, or NCCL (`weights_backend`)          engine's own weights_updated
 
 The first push sends every weight (the copy was loaded from the same files, but a resumed run's
 or a trained tower's may differ), later ones the weights an update changes (`changing`).
@@ -16,11 +16,14 @@ continues its stream across turns as in one process: the same seed samples the s
 the in-process engine. A request waits for its answer while the process lives: an engine
 process that ends (killed, out of memory) is one error naming its exit code, never a hang.
 
-The engine process starts beside the trainer's (on 127.0.0.1), or, with an `address`, started
+The engine process starts beside the trainer's (over a pipe), or, with an `address`, started
 on another machine by `grouprl engine serve` (`service.py`): the same requests then travel over
-TCP, after both sides prove they hold the same key (GROUPRL_ENGINE_KEY), and the weights over a
-group whose rendezvous the engine's side hosts. A connection that goes quiet is probed (TCP
-keep-alive), so an engine machine that goes away is an error within a minute, not a wait.
+TCP, after both sides prove they hold the same key (GROUPRL_ENGINE_KEY). The weights travel over
+that same connection (nothing else listens: no port of the engine's or the trainer's takes a
+connection without the key), or, from one GPU to another, over a two-process NCCL group whose
+rendezvous is carried over the connection too (rendezvous.py; NCCL's own bootstrap sockets are
+NCCL's). A connection that goes quiet is probed (TCP keep-alive), so an engine machine that goes
+away is an error within a minute, not a wait.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import grouprl
 from grouprl.errors import ModelLoadError, UserError
 from grouprl.processes import start_fresh
 from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams
+from grouprl.rollout.engines.rendezvous import ConnectionStore
 from grouprl.rollout.engines.streams import Randomness, RowStreams
 
 HOST = "127.0.0.1"  # an engine process started here runs beside the trainer's, on the same machine
@@ -56,7 +60,8 @@ KEY_ENV = "GROUPRL_ENGINE_KEY"  # the secret a trainer and an engine service sha
 PROTOCOL = 1  # what a trainer and an engine service speak; both sides check it
 PRELOAD = ["torch", "transformers", "grouprl.rollout.engines.hf", "grouprl.rollout.engines.process"]
 WEIGHTS_TIMEOUT_S = 300  # the two processes' group (formed once the engine is loaded): one tensor's push
-HANDSHAKE_TIMEOUT_S = 30  # connecting and proving the key; a peer quiet for longer is gone
+HANDSHAKE_TIMEOUT_S = 30  # connecting and proving the key, whole; a peer that takes longer is gone
+KEY_MIN_CHARS = 32
 
 
 class EngineProcessError(RuntimeError):
@@ -71,22 +76,28 @@ class EngineProcessEnded(UserError):
 
 
 def weights_backend(trainer_device, engine_device, same_machine: bool = True) -> str:
-    """How the weights travel: NCCL from one GPU to another, gloo (through host memory) where
-    either side is a CPU or both are the same GPU (NCCL joins one rank per device)."""
+    """How the weights travel: NCCL from one GPU to another; over the two processes' connection
+    (through host memory) where either side is a CPU or both are the same GPU (NCCL joins one
+    rank per device)."""
     a, b = torch.device(trainer_device), torch.device(engine_device)
     if a.type == b.type == "cuda" and (not same_machine or (a.index or 0) != (b.index or 0)):
         return "nccl"
-    return "gloo"
+    return "connection"
 
 
 def engine_key() -> bytes:
-    """The secret from GROUPRL_ENGINE_KEY (never a config key: it would be in config dumps)."""
+    """The secret from GROUPRL_ENGINE_KEY (never a config key: it would be in config dumps), at
+    least KEY_MIN_CHARS long: whoever listens at the address sees an HMAC of the key, and a short
+    one can be guessed from it."""
     key = os.environ.get(KEY_ENV, "")
+    make = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
     if not key:
         raise UserError(
-            f"set {KEY_ENV} to a secret of your choosing on both machines: the engine service and the "
-            "trainers it serves prove to each other that they hold it"
+            f"set {KEY_ENV} to a secret of your choosing on both machines (at least {KEY_MIN_CHARS} characters, "
+            f"e.g. from `{make}`): the engine service and the trainers it serves prove to each other that they hold it"
         )
+    if len(key) < KEY_MIN_CHARS:
+        raise UserError(f"{KEY_ENV} has {len(key)} characters; use at least {KEY_MIN_CHARS} (e.g. from `{make}`)")
     return key.encode()
 
 
@@ -144,28 +155,57 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+def form_group(conn, rank: int, backend: str, device: torch.device, host: str = HOST):
+    """The two processes' group, its rendezvous over `conn` (the trainer, rank 0, keeps the keys;
+    rendezvous.py) and formed now: one broadcast, so that NCCL makes its communicator while the
+    rendezvous is live. Nothing else may use `conn` meanwhile."""
+    store = ConnectionStore(conn, host=rank == 0, timeout_s=WEIGHTS_TIMEOUT_S)
+    if rank == 0:
+        store.serve()
+    group = _group(store, rank, WEIGHTS_TIMEOUT_S, backend, host)
+    _broadcast(group, torch.zeros(1, device=device))
+    store.formed()
+    return group, store
+
+
+def _receive_weights(conn, meta, params: dict, device: torch.device, group=None) -> None:
+    """The engine's side of a push: each tensor's bytes from `group` (NCCL) or `conn`, copied
+    into `params`; every tensor is read even after a copy fails (the stream stays in step), then
+    the first failure is raised."""
+    failed = None
+    with torch.no_grad():
+        for name, shape, dtype in meta:
+            nbytes = math.prod(shape) * dtype.itemsize
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device if group is not None else "cpu")
+            if group is not None:
+                _broadcast(group, buffer)  # the bytes, whatever the dtype
+            else:
+                conn.recv_bytes_into(buffer.numpy())
+            try:
+                params[name].copy_(buffer.view(dtype).view(shape))
+            except Exception as e:  # noqa: BLE001 - raised once every byte is read
+                failed = failed or e
+    if failed is not None:
+        raise failed
+
+
 def _drawn(generator: Randomness):
     return generator._drawn if isinstance(generator, RowStreams) else None
 
 
-def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port: int | None,
-          backend: str = "gloo", host: str = HOST) -> None:  # fmt: skip
+def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], backend: str = "connection",
+          host: str = HOST) -> None:  # fmt: skip
     """The engine process: `build()` gives (engine, its model, a context each request runs in);
-    then requests from `conn` until "close" or the trainer's end. The weights' group meets at the
-    trainer's store on `port`, or (port None: an engine service's) at a store hosted here on `host`."""
+    then requests from `conn` until "close" or the trainer's end. The weights come over `conn`
+    (backend "connection") or a two-process group formed with the trainer over `conn`."""
     try:
         engine, model, context = build()
         device = next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
-        if port is None:
-            store = dist.TCPStore(host, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
-        else:
-            store = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
         ready = {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}
-        conn.send(("ready", {**ready, "store_port": store.port, "backend": backend, "pid": os.getpid()}))
-        group = _group(store, 1, WEIGHTS_TIMEOUT_S, backend, host)  # joined by both processes at once
+        conn.send(("ready", {**ready, "backend": backend, "pid": os.getpid()}))
+        group = None if backend == "connection" else form_group(conn, 1, backend, device, host)[0]
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
@@ -182,11 +222,7 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], port
                 conn.send(("ok", None, None, engine.prefill_tokens))
                 return
             if op == "weights":
-                with torch.no_grad():
-                    for name, shape, dtype in args:
-                        buffer = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
-                        _broadcast(group, buffer)  # the bytes, whatever the dtype (gloo has no bf16 sum to need)
-                        params[name].copy_(buffer.view(dtype).view(shape))
+                _receive_weights(conn, args, params, device, group)
                 engine.weights_updated(model)
             elif op in ("begin_rollout", "end_rollout"):
                 getattr(engine, op)()
@@ -263,7 +299,7 @@ class EngineProcess:
     `address` names one); `device`: the trainer's."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device,
-                 engine_device=None, address: str | None = None):  # fmt: skip
+                 engine_device=None, address: str | None = None, weights: str | None = None):  # fmt: skip
         self.model, self.tokenizer, self.changing = model, tokenizer, list(changing)
         self._device = torch.device(device)
         self.address, self.process = address, None
@@ -272,26 +308,27 @@ class EngineProcess:
         self.push_seconds = 0.0
         self._pushed_once = False
         self._sessions = 0
-        timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         if address:  # an engine service's, on another machine
             self.conn = connect(address, engine_key())
             hello = {"protocol": PROTOCOL, "version": grouprl.__version__, "trainer_device": str(self._device),
                      "build": pickle.dumps(build)}  # fmt: skip
             self._send("hello", hello)
             first = self._receive(START_TIMEOUT_S, starting=True)
-            store = dist.TCPStore(split_address(address)[0], first["store_port"], 2, is_master=False, timeout=timeout)
             here = local_address(self.conn)
-        else:  # started here (from the forkserver: grouprl.processes)
-            store = dist.TCPStore(HOST, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
-            backend = weights_backend(device, engine_device or device)
+        else:  # started here (from the forkserver: grouprl.processes), over a pipe (no port)
+            # `weights`: how they travel, where not as weights_backend decides (the tests run the
+            # group path, NCCL's, over gloo on a CPU)
+            backend = weights or weights_backend(device, engine_device or device)
             self.conn, child = multiprocessing.Pipe()
-            self.process = start_fresh(serve, (child, build, store.port, backend), "grouprl-engine", PRELOAD)
+            self.process = start_fresh(serve, (child, build, backend), "grouprl-engine", PRELOAD)
             child.close()
             first = self._receive(START_TIMEOUT_S, starting=True)
             here = HOST
         self.backend, self.pid = first["backend"], first["pid"]
-        self.group = _group(store, 0, WEIGHTS_TIMEOUT_S, self.backend, here)
-        self._store = store  # the group's rendezvous: it lives as long as the group
+        self.group = None
+        if self.backend != "connection":
+            warm = self._device if self.backend == "nccl" else torch.device("cpu")
+            self.group, self._store = form_group(self.conn, 0, self.backend, warm, here)
         self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
 
     @property
@@ -323,8 +360,14 @@ class EngineProcess:
             try:
                 for t in tensors:
                     t = t.contiguous() if self.backend == "nccl" else t.to("cpu").contiguous()
-                    answered = self._push(t.reshape(-1).view(torch.uint8))
-            except RuntimeError:  # the other side went away mid-push: say so, not gloo's words
+                    flat = t.reshape(-1).view(torch.uint8)
+                    if self.group is None:
+                        self.conn.send_bytes(flat.numpy())
+                    else:
+                        answered = self._push(flat)
+            except OSError:  # the connection closed mid-push: the engine has gone
+                raise self._ended() from None
+            except RuntimeError:  # the other side went away mid-push: say so, not the group's words
                 if self._gone(wait_s=5):
                     raise self._ended() from None
                 raise

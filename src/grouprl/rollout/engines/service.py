@@ -10,23 +10,30 @@ must resolve here too: a hub id, or a shared filesystem), the engine loads it, t
 requests and weight pushes of `process.EngineProcess` (see process.py). A trainer that resumes
 after its engine ended gets a new one. The service itself loads no model.
 
-Both sides prove they hold GROUPRL_ENGINE_KEY before anything else travels (what travels is
-pickled: serve only to trainers on a network you trust, with a key only they know). A peer that
-connects and stays silent is dropped after 30 s; a trainer that goes away frees its device.
+Both sides prove they hold GROUPRL_ENGINE_KEY (at least 32 characters) before anything else
+travels, and everything travels over that one connection: requests, answers and weights (from
+one GPU to another over NCCL, whose rendezvous goes over the connection too). The service
+listens on its --host and port only; its engines open no port. What travels is pickled and not
+encrypted: the key is as good as a shell on the engine machine; serve on a network you trust, or
+bind 127.0.0.1 and reach it through an SSH tunnel (README, "Engine service"). A peer has 30 s for
+the whole handshake; at most MAX_HANDSHAKES handshakes run at once, MAX_PER_PEER from one
+address; a trainer that goes away frees its device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
+import socket
 import threading
 import time
 from multiprocessing.connection import (
     AuthenticationError,
     Connection,
-    Listener,
     answer_challenge,
     deliver_challenge,
 )
@@ -43,18 +50,51 @@ from grouprl.rollout.engines.process import (
     engine_key,
     keep_alive,
     local_address,
-    read_timeout,
     serve,
     weights_backend,
 )
 
 log = logging.getLogger("grouprl.engine")
 SLOT_WAIT_S = 3  # how long a trainer waits for a device (one whose trainer went away may be ending)
+MAX_HELLO_BYTES = 64 * 2**20  # the trainer's hello (its config and how to load the policy)
+
+
+MAX_HANDSHAKES = 16  # handshakes in flight (each a thread and a descriptor until it ends)
+MAX_PER_PEER = 4  # of them from one address
+BACKLOG = 64  # connections the kernel queues before they are accepted
 
 
 def _engine(conn: Connection, build: bytes, device: str, backend: str, host: str) -> None:
     """An engine process of the service: the trainer's loading code on `device`, then `serve`."""
-    serve(conn, lambda: pickle.loads(build)(device=device), None, backend, host)
+    serve(conn, lambda: pickle.loads(build)(device=device), backend, host)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host` only (an IPv6 address too), with a real backlog."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=BACKLOG)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+
+
+@contextlib.contextmanager
+def deadline(conn: Connection, seconds: float):
+    """The connection is shut down `seconds` from now unless the block has ended: one limit for
+    the whole handshake (a per-read timeout lets a peer that sends a byte now and then stay)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    timer = threading.Timer(seconds, lambda: _shut(sock))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        sock.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class EngineService:
@@ -71,61 +111,67 @@ class EngineService:
         self.devices = devices
         self.slots: list[multiprocessing.Process | None] = [None] * len(devices)
         self.lock = threading.Lock()
-        try:
-            self.listener = Listener((host, port))  # the key is checked per connection, on a thread
-        except OSError as e:
-            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        self.host, self.port = host, self.listener.address[1]
+        self.handshakes: dict[str, int] = {}  # address -> handshakes in flight from it
+        self.listener = listen(host, port)  # the key is checked per connection, on a thread
+        self.host, self.port = host, self.listener.getsockname()[1]
         start_server(PRELOAD)  # now, so that the first trainer does not wait for its imports
         self._stopped = False
 
     def serve_forever(self) -> None:
         while not self._stopped:
             try:
-                conn = self.listener.accept()
+                sock, address = self.listener.accept()
             except OSError:  # closed (stop), or a connection reset before it was accepted
                 continue
-            host, port = self.listener.last_accepted[:2]
-            peer = f"{host}:{port}"
-            threading.Thread(target=self._admit, args=(conn, peer), name=f"admit-{peer}", daemon=True).start()
+            host, port = address[:2]
+            peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            with self.lock:
+                busy = sum(self.handshakes.values()) >= MAX_HANDSHAKES or self.handshakes.get(host, 0) >= MAX_PER_PEER
+                if not busy:
+                    self.handshakes[host] = self.handshakes.get(host, 0) + 1
+            if busy:  # a flood of silent connections must not crowd out a trainer
+                log.warning("refused %s: %d handshakes in flight (%d from it)", peer, sum(self.handshakes.values()),
+                            self.handshakes.get(host, 0))  # fmt: skip
+                sock.close()
+                continue
+            conn = Connection(sock.detach())
+            threading.Thread(target=self._admit, args=(conn, peer, host), name=f"admit-{peer}", daemon=True).start()
 
     def stop(self) -> None:
         self._stopped = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         with self.lock:
             for process in self.slots:
                 if process is not None and process.is_alive():
                     process.terminate()
 
-    def _admit(self, conn: Connection, peer: str) -> None:
+    def _admit(self, conn: Connection, peer: str, host: str) -> None:
         """The key, the trainer's hello, a free device, then the engine process (this thread
         waits for it to end and frees its device)."""
         try:
-            with read_timeout(conn, HANDSHAKE_TIMEOUT_S):
-                deliver_challenge(conn, self.key)
-                answer_challenge(conn, self.key)
-                op, hello = conn.recv()
-        except AuthenticationError:
-            log.warning("refused %s: it holds another key", peer)
-            conn.close()
+            hello = self._handshake(conn, peer)
+        finally:
+            with self.lock:
+                self.handshakes[host] -= 1
+                if not self.handshakes[host]:
+                    del self.handshakes[host]
+        if hello is None:
             return
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError) as e:
-            log.warning("dropped %s before it said hello (%s)", peer, e.__class__.__name__)
-            conn.close()
-            return
-        if op != "hello" or not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
+        if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
             theirs = hello.get("version", "an older version") if isinstance(hello, dict) else "an older version"
             self._refuse(conn, f"the engine service at {self.host}:{self.port} runs grouprl {grouprl.__version__}, the "
                                f"trainer {theirs}, and they speak differently: install the same version on both machines")  # fmt: skip
             return
-        deadline = time.monotonic() + SLOT_WAIT_S
+        until = time.monotonic() + SLOT_WAIT_S
         while True:
             with self.lock:
                 slot = next((i for i, p in enumerate(self.slots) if p is None or not p.is_alive()), None)
                 if slot is not None:
-                    process = self.slots[slot] = self._start(conn, slot, hello, peer)
+                    process = self.slots[slot] = self._start(conn, slot, hello, host)
                     break
-            if time.monotonic() > deadline:
+            if time.monotonic() > until:
                 busy = ", ".join(self.devices)
                 self._refuse(conn, f"the engine service at {self.host}:{self.port} has no free device (its "
                                    f"{len(self.devices)} engines, on {busy}, each serve a trainer): start it with more --devices")  # fmt: skip
@@ -137,10 +183,34 @@ class EngineService:
         process.join()
         log.info("engine on %s for %s ended (exit code %s)", device, peer, process.exitcode)
 
-    def _start(self, conn: Connection, slot: int, hello: dict, peer: str) -> multiprocessing.Process:
-        """The engine process of device `slot` for the trainer on `conn`."""
+    def _handshake(self, conn: Connection, peer: str) -> dict | None:
+        """The key proved both ways and the trainer's hello read, within HANDSHAKE_TIMEOUT_S in
+        all; None (the connection closed, a line logged) otherwise."""
+        try:
+            with deadline(conn, HANDSHAKE_TIMEOUT_S):
+                deliver_challenge(conn, self.key)
+                answer_challenge(conn, self.key)
+                message = conn.recv_bytes(MAX_HELLO_BYTES)  # before the key, nothing is unpickled
+                op, hello = pickle.loads(message)
+        except AuthenticationError as e:
+            log.warning("refused %s: it does not hold the key (%s)", peer, e)
+            conn.close()
+            return None
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError) as e:
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            log.warning("dropped %s before its hello (%s; %d s for the whole handshake)", peer, why, HANDSHAKE_TIMEOUT_S)
+            conn.close()
+            return None
+        if op != "hello":
+            log.warning("dropped %s: it sent %r before its hello", peer, op)
+            conn.close()
+            return None
+        return hello if isinstance(hello, dict) else {}
+
+    def _start(self, conn: Connection, slot: int, hello: dict, host: str) -> multiprocessing.Process:
+        """The engine process of device `slot` for the trainer at `host` on `conn`."""
         device, here = self.devices[slot], local_address(conn)
-        backend = weights_backend(hello["trainer_device"], device, peer.split(":")[0] in ("127.0.0.1", here))
+        backend = weights_backend(hello["trainer_device"], device, host in ("127.0.0.1", "::1", here))
         keep_alive(conn)  # a trainer whose machine goes away frees the device
         return start_fresh(_engine, (conn, hello["build"], device, backend, here), f"grouprl-engine-{slot}", PRELOAD)
 
