@@ -158,7 +158,7 @@ def test_dry_run_imports_each_reward_and_checks_what_it_reads(capsys, tmp_path, 
         f"data.train_files=[{no_truth}]", "reward.val_metric=r0",
     )
     assert code == 0, out
-    assert f"reward r0: {rewards}:exact reads ground_truth, response\n" in out
+    assert f"reward r0: {rewards}:exact reads ground_truth (answer), response\n" in out  # plain layout
     assert f"reward r1: {rewards}:loose reads everything (**kwargs)\n" in out
     assert "reward r2: soft_format reads everything (**kwargs)\n" in out
     assert f"WARNING: reward r0 reads the ground truth, which {no_truth} lacks" in out

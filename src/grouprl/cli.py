@@ -203,16 +203,30 @@ def describe_rewards(cfg) -> list[str]:
     from grouprl.data.layout import layout_of, peek
     from grouprl.rewards.composite import describe_components
 
-    truthless = []
+    truthless, kinds = [], set()
     for f in [*cfg.data.train_files, *cfg.data.val_files]:
         if Path(f).is_file():
             columns, _, truth = peek(Path(f))
             kind = layout_of(columns, "rl")
+            kinds.add(kind)
             if (kind == "verl" and not truth) or (kind == "plain" and "answer" not in columns):
                 truthless.append(f)
+    # where each piece of a reward's context comes from in the data files' layouts
+    column = {
+        "ground_truth": {"verl": "reward_model.ground_truth", "plain": "answer"},
+        "extra_info": {"verl": "extra_info", "plain": "the row's other columns"},
+        "prompt": {"verl": "prompt's last user turn", "plain": "question"},
+    }
     lines = []
     for name, spec, reads in describe_components(cfg.reward):
-        shown = "everything (**kwargs)" if reads is None else ", ".join(sorted(reads)) or "nothing"
+        if reads is None:
+            shown = "everything (**kwargs)"
+        else:
+            shown = ", ".join(
+                f"{r} ({' / '.join(column[r][k] for k in sorted(kinds) if k in column[r])})"
+                if r in column and kinds & set(column[r]) else r
+                for r in sorted(reads)
+            ) or "nothing"
         lines.append(f"reward {name}: {spec} reads {shown}")
         if truthless and reads is not None and "ground_truth" in reads:  # named, not only through **kwargs
             lines.append(

@@ -162,8 +162,8 @@ def test_one_step_off_policy_on_vllm_is_deterministic_and_pushes_between_batches
     """rollout.max_staleness=1 with vLLM generating: the generation side pushes each version it
     needs into vLLM between batches (the trainer's own weights serve evaluation), batches follow
     the fixed lag, and two runs are the same run: the second with vLLM in an engine of `grouprl
-    engine serve` (rollout.engine_address), a process of its own fed the weights over a gloo
-    group (the loop an engine process beside the trainer runs too, rollout.engine_process: the
+    engine serve` (rollout.engine_address), a process of its own fed the weights over its
+    authenticated connection (the loop an engine process beside the trainer runs too, rollout.engine_process: the
     same requests over a pipe instead of TCP, tested with the built-in engine)."""
     from helpers import ENGINE_KEY, start_engine_service
 
