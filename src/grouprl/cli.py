@@ -200,7 +200,7 @@ def describe_rewards(cfg) -> list[str]:
     """What each rule or user reward reads (its file imported, its signature checked: a missing
     file, function or argument is the dry run's one error line), and a warning for a reward that
     reads the ground truth of a data file that has none (it would fail on every call)."""
-    from grouprl.data.layout import layout_of, peek
+    from grouprl.data.layout import REFERENCE_COLUMNS, layout_of, peek
     from grouprl.rewards.composite import describe_components
 
     truthless, kinds = [], set()
@@ -209,7 +209,8 @@ def describe_rewards(cfg) -> list[str]:
             columns, _, truth = peek(Path(f))
             kind = layout_of(columns, "rl")
             kinds.add(kind)
-            if (kind == "verl" and not truth) or (kind == "plain" and "answer" not in columns):
+            reference = any(c in columns for c in REFERENCE_COLUMNS)  # TRL's datasets
+            if (kind == "verl" and not truth and not reference) or (kind == "plain" and "answer" not in columns):
                 truthless.append(f)
     # where each piece of a reward's context comes from in the data files' layouts
     column = {

@@ -5,7 +5,9 @@ The layout is detected per file from its columns:
   `reward_model` ({style, ground_truth}), `extra_info` (dict; `index`/`id`/`uid`, gold pages).
 - plain: `question`, optional `answer` (none for tasks scored without one, e.g. image prompts),
   `id`, `images`, `gold_docs`, `system`.
-Columns outside a layout are kept in `extra_info` (without overwriting its own keys).
+Columns outside a layout are kept in `extra_info` (without overwriting its own keys). A verl-layout
+file without `reward_model.ground_truth` (TRL's datasets: `prompt` as text or messages, and a
+`solution`, `answer` or `ground_truth` column) takes its ground truth from that column.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from grouprl.data.layout import LAYOUTS, layout_of, read_json, read_text
+from grouprl.data.layout import LAYOUTS, REFERENCE_COLUMNS, layout_of, read_json, read_text
 from grouprl.data.sample import Sample
 from grouprl.errors import DataError
 from grouprl.vision.images import IMAGE_PLACEHOLDER, ImageError, check_image, count_placeholders, resolve
@@ -131,6 +133,10 @@ def _verl_sample(record: dict[str, Any], path: Path, row: int) -> Sample:
     messages = _messages(record.get("prompt"), path, row)
     reward_model = record.get("reward_model") or {}
     ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    truth_column = "reward_model.ground_truth" if ground_truth is not None else ""
+    if ground_truth is None:  # TRL's datasets: the reference in a column of its own (kept in extra_info too)
+        truth_column = next((c for c in REFERENCE_COLUMNS if record.get(c) is not None), "")
+        ground_truth = record.get(truth_column) if truth_column else None
     extra_info = record.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise DataError(f"{path} row {row}: 'extra_info' must be a dict, got {type(extra_info).__name__}")
@@ -142,6 +148,8 @@ def _verl_sample(record: dict[str, Any], path: Path, row: int) -> Sample:
         images=_images(record, messages, path, row),
         data_source=str(record.get("data_source") or ""),
         extra_info=extra_info,
+        conversational=not isinstance(record.get("prompt"), str),
+        truth_column=truth_column,
     )
 
 
@@ -160,6 +168,8 @@ def _plain_sample(record: dict[str, Any], path: Path, row: int) -> Sample:
         images=_images(record, messages, path, row),
         data_source=str(record.get("data_source") or ""),
         extra_info=extra_info,
+        conversational=False,
+        truth_column="answer" if record.get("answer") is not None else "",
     )
 
 

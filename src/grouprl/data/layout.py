@@ -19,6 +19,8 @@ from grouprl.errors import DataError
 FIRST_ROWS = 8  # rows read to tell a verl conversation (`prompt` ending with an assistant turn) from a prompt
 TEXT_COLUMNS = ("messages", "prompt", "reward_model", "question", "answer")  # never the images
 REPLY_FIELD = "{ground_truth}"
+# where a verl-layout file without reward_model.ground_truth holds its reference (TRL's datasets)
+REFERENCE_COLUMNS = ("ground_truth", "solution", "answer")
 LAYOUTS = (
     "verl layout (prompt, optional reward_model, extra_info, images, data_source) "
     "or plain layout (question, optional answer, id, images, gold_docs, system)"
@@ -115,6 +117,10 @@ def describe_data_file(
         return f"conversations (messages{images})"
     field = "reward_model.ground_truth" if kind == "verl" else "answer"
     has_truth = truth if kind == "verl" else "answer" in columns
+    if kind == "verl" and not truth:  # TRL's datasets: a reference column of its own
+        found = next((c for c in REFERENCE_COLUMNS if c in columns), None)
+        if found is not None:
+            field, has_truth = f"{found} (as the ground truth)", True
     head = "verl layout: prompt" if kind == "verl" else "plain layout: question"
     if purpose == "rl":
         reference = f", {field}" if has_truth else f", no {field} (fine only for rewards that need no reference)"

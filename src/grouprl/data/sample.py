@@ -21,3 +21,5 @@ class Sample:
     images: list[Any] = field(default_factory=list)  # bytes or paths; kept for VLM policies
     data_source: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
+    conversational: bool = True  # the file's prompt was a list of messages (TRL's "conversational" data)
+    truth_column: str = ""  # the column the ground truth came from (reward_model.ground_truth, answer, solution, ...)

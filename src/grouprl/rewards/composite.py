@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # What a reward function may ask for by parameter name; a function with **kwargs gets all.
 CONTEXT_NAMES = ("response", "ground_truth", "prompt", "extra_info", "sample", "trajectory")
 # Component names that would collide with the aggregate metric keys reward/mean, ...
-RESERVED_NAMES = ("mean", "std", "errors", "gated", "dropped")
+RESERVED_NAMES = ("mean", "std", "errors", "gated", "dropped", "not_applicable")
 
 
 @dataclass
@@ -66,15 +66,64 @@ class RewardComponent:
     on_failure: str = "fallback"  # "fallback" | "drop_group" (value NaN: the group leaves the update)
     fallback: float | None = None  # None: the composite's fallback
     accepted: frozenset[str] | None = field(init=False, default=None)  # context fn takes; None = all
+    batched: bool = field(init=False, default=False)  # TRL's signature: lists in, a list out
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("fallback", "drop_group"):
             raise ConfigError(f"reward component {self.name!r}: on_failure must be fallback or drop_group")
-        self.accepted = _accepted_context(self.name, self.fn, self.kwargs)
+        self.batched = is_batched(self.fn)
+        self.accepted = None if self.batched else _accepted_context(self.name, self.fn, self.kwargs)
 
     def arguments(self, context: dict[str, Any]) -> dict[str, Any]:
         chosen = context if self.accepted is None else {k: context[k] for k in self.accepted}
         return {**chosen, **self.kwargs}
+
+
+# the parameters that mark a reward function written for TRL's GRPOTrainer: it takes lists (one
+# entry a completion) and returns a list of floats (None: not applicable to that completion)
+BATCH_NAMES = ("completions", "prompts", "completion_ids")
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """`fn` takes TRL's batch arguments (`completions`, `prompts`, `completion_ids`)."""
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in names for name in BATCH_NAMES)
+
+
+def _batch_arguments(contexts: list[dict[str, Any]]) -> dict[str, Any]:
+    """What TRL passes a reward function for these completions: `prompts` and `completions`
+    (text, or message lists where the data's prompts were messages), `completion_ids`, and each
+    dataset column as a list (the columns in extra_info, the ground truth under its own column's
+    name and as `ground_truth`)."""
+    samples = [c["sample"] for c in contexts]
+    conversational = all(s.conversational for s in samples)
+    arguments: dict[str, Any] = {
+        "prompts": [s.messages if conversational else c["prompt"] for s, c in zip(samples, contexts)],
+        "completions": [
+            [{"role": "assistant", "content": c["response"]}] if conversational else c["response"] for c in contexts
+        ],
+        "completion_ids": [list(c["trajectory"].response_ids) for c in contexts],
+        "ground_truth": [s.ground_truth for s in samples],
+        "data_source": [s.data_source for s in samples],
+    }
+    for column in dict.fromkeys(k for s in samples for k in s.extra_info):
+        if column not in arguments:
+            arguments[column] = [s.extra_info.get(column) for s in samples]
+    for column in dict.fromkeys(s.truth_column for s in samples):
+        if column and "." not in column and column not in arguments:
+            arguments[column] = [s.ground_truth for s in samples]
+    return arguments
+
+
+def _per_completion(result: Any, n: int) -> list[Any]:
+    """A batched reward's list of values, one per completion (None: not applicable)."""
+    if isinstance(result, (str, bytes)) or not hasattr(result, "__len__") or len(result) != n:
+        shown = f"{len(result)} values" if hasattr(result, "__len__") and not isinstance(result, (str, bytes)) else type(result).__name__
+        raise ValueError(f"returned {shown} for {n} completions (a TRL-style reward returns one value per completion)")
+    return [_NOT_APPLICABLE if v is None else v for v in result]
 
 
 def _accepted_context(name: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> frozenset[str] | None:
@@ -113,6 +162,9 @@ def _accepted_context(name: str, fn: Callable[..., Any], kwargs: dict[str, Any])
     return frozenset(keyword_names & set(CONTEXT_NAMES))
 
 
+BATCHED = frozenset({"prompts", "completions", "completion_ids", "every data column (TRL's batch call)"})
+
+
 def describe_components(cfg: RewardConfig) -> list[tuple[str, str, frozenset[str] | None]]:
     """Each rule or user reward as (name, spec, the context it reads; None = all of it, through
     **kwargs), its file imported and its signature checked as a run would (a one-line
@@ -123,7 +175,7 @@ def describe_components(cfg: RewardConfig) -> list[tuple[str, str, frozenset[str
         if judge_name(spec) is not None or model_name(spec) is not None:
             continue
         component = RewardComponent(name=c.name, fn=load_reward_function(spec), kwargs=dict(c.kwargs))
-        out.append((c.name, spec, component.accepted))
+        out.append((c.name, spec, BATCHED if component.batched else component.accepted))
     return out
 
 
@@ -406,6 +458,7 @@ class CompositeReward:
         contexts = [_context(t) for t in trajectories]
         for stage in self._stages:
             pending: list[tuple[int, int, Awaitable[Any]]] = []
+            batches: dict[int, list[int]] = {}  # TRL-style components: their trajectories, called once
             for t, context in enumerate(contexts):
                 for c in stage:
                     gate = self._gate_index[c]
@@ -413,6 +466,9 @@ class CompositeReward:
                         values[t][c] = _GATED
                         continue
                     component = self.components[c]
+                    if component.batched:
+                        batches.setdefault(c, []).append(t)
+                        continue
                     try:
                         result = component.fn(**component.arguments(context))
                     except Exception as e:  # the function's fault: fall back, count, go on
@@ -422,6 +478,17 @@ class CompositeReward:
                         pending.append((t, c, result))
                     else:
                         values[t][c] = result
+            for c, rows in batches.items():
+                component = self.components[c]
+                try:
+                    result = component.fn(**_batch_arguments([contexts[t] for t in rows]), **component.kwargs)
+                    if inspect.isawaitable(result):
+                        result = await result
+                    batch_values = _per_completion(result, len(rows))
+                except Exception as e:  # the function's fault: every completion of the call fails
+                    batch_values = [_Failure(f"{type(e).__name__}: {e}")] * len(rows)
+                for t, value in zip(rows, batch_values):
+                    values[t][c] = value
             if pending:
                 results = await _gather([awaitable for _, _, awaitable in pending])
                 for (t, c, _), result in zip(pending, results):
@@ -436,6 +503,7 @@ class CompositeReward:
     def _finish(self, trajectories: list[Trajectory], values: list[list[Any]]) -> dict[str, float]:
         errors = {component.name: 0 for component in self.components}
         gated = {c.name: 0 for c in self.components if c.gate}
+        not_applicable = {c.name: 0 for c in self.components if c.batched}
         judged: dict[str, list[JudgeResult]] = {
             c.name: [] for c in self.components if isinstance(c.fn, JudgeComponent)
         }
@@ -452,6 +520,10 @@ class CompositeReward:
             for component, value in zip(self.components, row):
                 if value is _GATED:
                     gated[component.name] += 1
+                    value = 0.0
+                elif value is _NOT_APPLICABLE:  # a TRL-style reward's None: no value, no error
+                    not_applicable[component.name] += 1
+                    called.setdefault(component.name, []).append(None)
                     value = 0.0
                 elif not isinstance(value, JudgeResult):
                     called.setdefault(component.name, []).append(
@@ -471,6 +543,7 @@ class CompositeReward:
             trajectory.reward = total
         metrics = self._metrics(trajectories, errors)
         metrics.update({f"reward/gated/{name}": float(count) for name, count in gated.items()})
+        metrics.update({f"reward/not_applicable/{name}": float(count) for name, count in not_applicable.items()})
         for name, results in judged.items():
             metrics.update(_judge_metrics(name, results))
         if judge_fields and trajectories:
@@ -557,7 +630,7 @@ def _numeric(value: Any) -> float | None:
     """A usable value as float (a successful JudgeResult counts by its aggregate), else None."""
     if isinstance(value, JudgeResult):
         return value.aggregate if value.ok else None
-    if value is _GATED or isinstance(value, _Failure) or _problem_with(value) is not None:
+    if value is _GATED or value is _NOT_APPLICABLE or isinstance(value, _Failure) or _problem_with(value) is not None:
         return None
     return float(value)
 
@@ -596,3 +669,4 @@ class _Failure:
 
 
 _GATED = object()  # the value of a component whose gate stayed shut
+_NOT_APPLICABLE = object()  # a TRL-style reward's None for a completion: counts 0, no error

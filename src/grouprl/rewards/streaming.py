@@ -36,7 +36,7 @@ _COUNT_SUFFIXES = ("/calls", "/requests", "/cache_hits", "/retries", "/failures"
 
 
 def _is_count(key: str) -> bool:
-    return key.startswith(("reward/errors", "reward/gated/")) or key.endswith(_COUNT_SUFFIXES)
+    return key.startswith(("reward/errors", "reward/gated/", "reward/not_applicable/")) or key.endswith(_COUNT_SUFFIXES)
 
 
 class StreamingRewards:

@@ -402,7 +402,7 @@ class Collector:
         selection = select_groups([found[g] for g in usable], B)
         sampler.note_selection(selection)
         kept = [batch[usable[g]] for g in selection.keep]
-        counted = ("reward/errors", "reward/gated/", "judge/")  # over every scoring of the step
+        counted = ("reward/errors", "reward/gated/", "reward/not_applicable/", "judge/")  # over every scoring of the step
         metrics = combine([(w, {k: v for k, v in m.items() if k.startswith(counted)}) for w, m in scored])
         metrics.update(batch_summary([t for x in kept for t in x[3]]))
         metrics["batch/generated_groups"] = float(len(batch))
