@@ -4,11 +4,11 @@ and `accuracy_reward(completions, solution, **kwargs)` on a dataset of `prompt` 
 
 import json
 
-from test_cli import run
 from tiny import tiny_model_dir
 
 from grouprl.config import load_config
 from grouprl.trainer.trainer import Trainer
+from test_cli import run
 
 REWARDS = '''
 def reward_len(completions, **kwargs):
