@@ -230,7 +230,7 @@ def test_missing_config_file(tmp_path):
         (["trainer.memory_check=maybe"], "'trainer.memory_check' must be one of 'refuse', 'warn', 'off'"),
         (["trainer.resume_mode=path"], "'trainer.resume_from_path' must be set when trainer.resume_mode is 'path'"),
         (["algorithm.adv_estimator=gae"], "'algorithm.adv_estimator' must be one of grpo, grpo_batch, rloo, got 'gae'"),
-        (["actor.policy_loss=vanilla"], "'actor.policy_loss' must be one of gspo, ppo, got 'vanilla'"),
+        (["actor.policy_loss=grpo"], "'actor.policy_loss' must be one of cispo, geo_mean, gmpo, gspo, ppo, sapo, vanilla, got 'grpo'"),
         (
             ["actor.loss_agg_mode=sum"],
             "'actor.loss_agg_mode' must be one of seq-mean-token-mean, seq-mean-token-sum, "

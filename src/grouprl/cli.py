@@ -268,6 +268,11 @@ def describe_plan(cfg) -> list[str]:
     lines.append(f"engine-trainer correction: {describe_correction(cfg)}")
     if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
         lines.append("WARNING: gspo with token-mean weighs a sequence by its length (GSPO's own is seq-mean-token-mean)")
+    if cfg.actor.policy_loss in ("sapo", "gmpo", "geo_mean") and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
+        lines.append(
+            f"WARNING: {cfg.actor.policy_loss} with {cfg.actor.loss_agg_mode}: verl reduces it as seq-mean-token-mean "
+            "(one term per sequence); set actor.loss_agg_mode=seq-mean-token-mean for its numbers"
+        )
     path = cfg.model.path
     builtin = path.split(":", 1)[1] if path.startswith("builtin:") else None
     if builtin in BUILTIN_MODELS:

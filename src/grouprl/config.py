@@ -571,13 +571,17 @@ class OptimConfig:
 @dataclass
 class ActorConfig:
     policy_loss: str = "gspo"
-    """Policy loss: gspo or ppo (verl: actor.policy_loss_mode)."""
+    """Policy loss: gspo, ppo (verl's vanilla), cispo (clipped, detached importance weights; every token keeps its gradient), sapo (a smooth gate for the clip: sapo_tau_pos / sapo_tau_neg) or gmpo (geometric-mean ratio per sequence, clip_low / clip_high in log space; verl's geo_mean) (verl: actor.policy_loss.loss_mode)."""
     clip_low: float = 3e-4
     """Lower clip: ratio >= 1 - clip_low (verl: actor.clip_ratio_low)."""
     clip_high: float = 4e-4
     """Upper clip: ratio <= 1 + clip_high (verl: actor.clip_ratio_high)."""
     dual_clip: float | None = 3.0
     """PPO dual-clip bound for negative advantages (None = off; verl: clip_ratio_c)."""
+    sapo_tau_pos: float = 1.0
+    """policy_loss=sapo: the gate's temperature for positive advantages (verl: actor.tau_pos)."""
+    sapo_tau_neg: float = 1.05
+    """policy_loss=sapo: the gate's temperature for negative advantages (verl: actor.tau_neg)."""
     loss_agg_mode: str = "seq-mean-token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     loss_scale_factor: int = 0
@@ -871,6 +875,8 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.grad_clip": "actor.optim.grad_clip",
     "actor_rollout_ref.actor.policy_loss_mode": "actor.policy_loss",
     "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
+    "actor_rollout_ref.actor.tau_pos": "actor.sapo_tau_pos",
+    "actor_rollout_ref.actor.tau_neg": "actor.sapo_tau_neg",
     "actor_rollout_ref.actor.clip_ratio_low": "actor.clip_low",
     "actor_rollout_ref.actor.clip_ratio_high": "actor.clip_high",
     "actor_rollout_ref.actor.clip_ratio_c": "actor.dual_clip",
@@ -1258,6 +1264,10 @@ def validate(cfg: Config) -> Config:
     one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADVANTAGE_ESTIMATORS)
     one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_ESTIMATORS)
     one_of("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES)
+    need(
+        cfg.actor.sapo_tau_pos > 0 and cfg.actor.sapo_tau_neg > 0,
+        "config keys 'actor.sapo_tau_pos' and 'actor.sapo_tau_neg' must be > 0",
+    )
     one_of("actor.loss_agg_mode", cfg.actor.loss_agg_mode, AGG_MODES)
     one_of("actor.kl_loss_type", cfg.actor.kl_loss_type, KL_ESTIMATORS)
     need(cfg.data.train_batch_size >= 1, "config key 'data.train_batch_size' must be >= 1")

@@ -161,6 +161,66 @@ def ref_policy_loss(
     return loss, metrics
 
 
+def ref_verl_loss(mode, log_probs, old_log_probs, advantages, loss_mask, clip_low, clip_high, agg_mode="token-mean",
+                  tau_pos=1.0, tau_neg=1.05):  # fmt: skip
+    """verl's `compute_policy_loss_{cispo,sapo,geo_mean}` element by element, with verl's own
+    reductions (cispo: `agg_mode`; sapo: seq-mean-token-mean always; geo_mean: the mean over every
+    row). Returns (loss, {"clipfrac", "clipfrac_lower", "ppo_kl"})."""
+    n_rows, n_cols = log_probs.shape
+    rows, seq_losses = [], []
+    clip_count = lower_count = kl_sum = valid = 0.0
+    for i in range(n_rows):
+        row, kept, adv_sum, count = [], [], 0.0, 0.0
+        for t in range(n_cols):
+            lp, old, adv = log_probs[i, t], _val(old_log_probs[i, t]), _adv_at(advantages, i, t)
+            on = _val(loss_mask[i, t]) != 0.0
+            if mode in ("cispo", "sapo"):
+                log_ratio = _clamp(lp - old, -20.0, 20.0)
+                ratio = torch.exp(log_ratio)
+                kl = -_val(log_ratio)
+                if mode == "cispo":
+                    weight = min(max(_val(ratio), 1.0 - clip_low), 1.0 + clip_high)  # a constant (sg)
+                    loss, clipped = -weight * adv * lp, weight != _val(ratio)
+                else:
+                    tau = tau_pos if adv > 0 else tau_neg
+                    loss, clipped = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, False
+                row.append(loss)
+                lower = False
+            else:  # geo_mean
+                delta = lp - old
+                bounded = _clamp(delta, -clip_low, clip_high)
+                sign = (adv > 0) - (adv < 0)
+                chosen = delta if sign * _val(delta) <= sign * _val(bounded) else bounded
+                kept.append(chosen * sign * sign if on else None)
+                clipped, lower = (_val(bounded) != _val(delta)) and adv > 0, (_val(bounded) != _val(delta)) and adv < 0
+                kl = -_val(delta)
+                if on:
+                    adv_sum += adv
+                    count += 1.0
+            if on:
+                clip_count += clipped
+                lower_count += lower
+                kl_sum += kl
+                valid += 1.0
+        if mode == "geo_mean":
+            terms = [k for k in kept if k is not None]
+            mean_log = (torch.stack(terms).sum() if terms else torch.zeros((), dtype=log_probs.dtype)) / (count + 1e-8)
+            seq_losses.append(-(adv_sum / (count + 1e-8)) * torch.exp(mean_log))
+        else:
+            rows.append(torch.stack(row))
+    if mode == "geo_mean":
+        loss = torch.stack(seq_losses).mean()
+    else:
+        loss = ref_aggregate(torch.stack(rows), loss_mask, "seq-mean-token-mean" if mode == "sapo" else agg_mode)
+    denominator = max(valid, 1.0)
+    metrics = {
+        "clipfrac": clip_count / denominator,
+        "clipfrac_lower": lower_count / denominator,
+        "ppo_kl": kl_sum / denominator,
+    }
+    return loss, metrics
+
+
 # ----------------------------------------------------------------------------- KL, entropy, returns
 
 

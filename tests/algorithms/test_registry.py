@@ -48,7 +48,7 @@ def test_public_api_is_exactly_the_documented_names():
 
 def test_registered_names():
     assert available("advantage_estimator") == ["grpo", "grpo_batch", "rloo"]
-    assert available("policy_loss") == ["gspo", "ppo"]
+    assert available("policy_loss") == ["cispo", "geo_mean", "gmpo", "gspo", "ppo", "sapo", "vanilla"]
     assert available("agg_mode") == [
         "seq-mean-token-mean",
         "seq-mean-token-sum",
@@ -66,6 +66,7 @@ def test_registered_names():
     assert available("rollout_correction_mode") == ["mask", "truncate"]
     # verl's aliases resolve to the same function
     assert KL_ESTIMATORS["kl"] is KL_ESTIMATORS["k1"]
+    assert POLICY_LOSSES["vanilla"] is POLICY_LOSSES["ppo"] and POLICY_LOSSES["geo_mean"] is POLICY_LOSSES["gmpo"]
     assert KL_ESTIMATORS["mse"] is KL_ESTIMATORS["k2"]
     assert KL_ESTIMATORS["low_var_kl"] is KL_ESTIMATORS["k3"]
     assert KL_ESTIMATORS["low_var_kl+"] is KL_ESTIMATORS["k3+"]
@@ -80,7 +81,7 @@ def test_unknown_advantage_estimator_message_lists_allowed_names():
 def test_unknown_policy_loss_and_agg_mode():
     lp = torch.zeros(1, 2)
     mask = torch.ones(1, 2)
-    with pytest.raises(ValueError, match=r"unknown policy loss 'gpso'; allowed: gspo, ppo$"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'gpso'; allowed: cispo, geo_mean, gmpo, gspo, ppo, sapo, vanilla$"):
         policy_loss("gpso", lp, lp, torch.zeros(1), mask, clip_low=0.2, clip_high=0.2, agg_mode="token-mean")
     with pytest.raises(
         ValueError, match=r"unknown loss aggregation mode 'token_mean'; allowed: seq-mean-token-mean, "

@@ -412,3 +412,14 @@ def test_a_breakdown_key_with_too_many_values_is_refused_with_a_warning(tmp_path
         run_setup.MAX_BREAKDOWN_GROUPS = saved
     assert "has 4 values in the held-out data" in caplog.text
     assert not [k for k in trainer.evaluate() if k.startswith("val/accuracy/")]
+
+
+@pytest.mark.parametrize("loss", ["cispo", "sapo", "gmpo"])
+def test_the_other_losses_update_the_policy(tmp_path, model_dir, loss):
+    """CISPO, SAPO and GMPO (tests/algorithms: against verl's formulas) through a whole step."""
+    clip = ["actor.clip_low=0.4", "actor.clip_high=0.4"] if loss == "gmpo" else ["actor.clip_low=0.2", "actor.clip_high=0.28"]
+    trainer = make_trainer(tmp_path, model_dir, f"actor.policy_loss={loss}", *clip)
+    before = trainable(trainer.model)
+    metrics, _ = trainer.train_step()
+    assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    assert any(not torch.equal(before[n], p) for n, p in trainable(trainer.model).items())

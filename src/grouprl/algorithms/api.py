@@ -71,8 +71,12 @@ def policy_loss(
     agg_mode: str,
     token_weights: torch.Tensor | None = None,
     norm_length: float | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss `mode` ("ppo" | "gspo"), reduced with `agg_mode`.
+    """Policy-gradient loss `mode` ("ppo" | "gspo" | "cispo" | "sapo" | "gmpo"; verl's names
+    "vanilla", "geo_mean" too), reduced with `agg_mode`. `tau_pos` / `tau_neg`: SAPO's gate
+    temperatures.
 
     log_probs, old_log_probs, loss_mask: [N, T]; advantages: [N] (one per sequence,
     broadcast over tokens) or [N, T]. `token_weights` [N, T] (constants, e.g. rollout
@@ -110,6 +114,7 @@ def policy_loss(
         clip_low=clip_low,
         clip_high=clip_high,
         dual_clip=dual_clip,
+        **({"tau_pos": tau_pos, "tau_neg": tau_neg} if token_losses is lookup("policy_loss", "sapo") else {}),
     )  # [N, T]
     if token_weights is not None:
         if token_weights.shape != log_probs.shape:

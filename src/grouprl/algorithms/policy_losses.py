@@ -117,3 +117,117 @@ def gspo_token_losses(
             "ppo_kl": masked_mean(-log_ratio, loss_mask),
         }
     return pg_losses, metrics
+
+
+def cispo_token_losses(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the importance weight is clipped and detached, and
+    every token keeps its gradient (none is zeroed by the clip, as PPO's are):
+
+        r_t = exp(clamp(lp_t - old_lp_t, -20, 20)),   L_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] A_t lp_t
+
+    (the value carries lp_t, as verl's; the gradient is -clip(r_t) A_t d lp_t). No dual clip.
+    metrics: clipfrac = mean_t [clip(r_t) != r_t]; clipfrac_lower = 0; ppo_kl = mean_t (old_lp - lp), clamped.
+    """
+    del dual_clip
+    log_ratio = torch.clamp(log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)  # [N, T]
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    pg_losses = -clipped.detach() * advantages * log_probs  # [N, T]
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((ratio != clipped).to(log_probs.dtype), loss_mask),
+            "clipfrac_lower": torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
+            "ppo_kl": masked_mean(-log_ratio, loss_mask),
+        }
+    return pg_losses, metrics
+
+
+def sapo_token_losses(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAPO (soft adaptive policy optimisation, arXiv 2511.20347): a smooth gate in place of the
+    hard clip, steeper for negative advantages:
+
+        r_t = exp(clamp(lp_t - old_lp_t, -20, 20)),   tau_t = tau_pos if A_t > 0 else tau_neg
+        L_t = -A_t * sigmoid(tau_t (r_t - 1)) * 4 / tau_t
+
+    (at r = 1 the gate is 2 / tau with slope 1: the plain policy gradient). clip_low, clip_high
+    and dual clip do not apply. verl aggregates SAPO with seq-mean-token-mean whatever its
+    loss_agg_mode; here the run's actor.loss_agg_mode does (seq-mean-token-mean gives verl's).
+    metrics: clipfrac = clipfrac_lower = 0; ppo_kl = mean_t (old_lp - lp), clamped.
+    """
+    del clip_low, clip_high, dual_clip
+    log_ratio = torch.clamp(log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)  # [N, T]
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # [N, T]
+    gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [N, T]
+    pg_losses = -gates * advantages  # [N, T]
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+        metrics = {"clipfrac": zero, "clipfrac_lower": zero, "ppo_kl": masked_mean(-log_ratio, loss_mask)}
+    return pg_losses, metrics
+
+
+def gmpo_token_losses(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO (geometric-mean policy optimisation, arXiv 2507.20673; verl's `geo_mean`): the
+    sequence's ratio is the geometric mean of its tokens' ratios, each log-ratio clipped to
+    [-clip_low, clip_high] (log space: GMPO's clip 0.4 allows ratios in [e^-0.4, e^0.4]) in the
+    direction of the advantage's sign:
+
+        d_t   = lp_t - old_lp_t,    c_t = clamp(d_t, -clip_low, clip_high)
+        m_t   = sgn(A_t) min(sgn(A_t) d_t, sgn(A_t) c_t)
+        L_i   = -Abar_i exp( mean_t m_t )         (Abar_i: the row's mean advantage)
+
+    Returned as a token matrix whose every valid token of row i holds L_i (with its whole
+    gradient): seq-mean-token-mean then gives mean_i L_i, verl's loss (which averages over every
+    row, empty ones too). No dual clip.
+    metrics: clipfrac = mean_t [c_t != d_t and A_t > 0]; clipfrac_lower = the same for A_t < 0;
+    ppo_kl = mean_t (old_lp - lp), unclamped.
+    """
+    del dual_clip
+    mask = loss_mask.to(log_probs.dtype)  # [N, T]
+    log_ratio = log_probs - old_log_probs  # [N, T]
+    clamped = torch.clamp(log_ratio, -clip_low, clip_high)  # [N, T]
+    sign = torch.sign(advantages)
+    sign = sign.expand_as(log_ratio) if sign.shape != log_ratio.shape else sign  # [N, T]
+    kept = sign * torch.minimum(sign * log_ratio, sign * clamped)  # [N, T]
+    count = mask.sum(dim=-1)  # [N]
+    seq_ratio = torch.exp((kept * mask).sum(dim=-1) / (count + 1e-8))  # [N]
+    seq_advantage = (advantages.expand_as(log_ratio) * mask).sum(dim=-1) / (count + 1e-8)  # [N]
+    seq_losses = -seq_advantage * seq_ratio  # [N]
+    pg_losses = seq_losses.unsqueeze(-1).expand_as(log_ratio)  # [N, T]
+    with torch.no_grad():
+        clipped = clamped != log_ratio
+        metrics = {
+            "clipfrac": masked_mean((clipped & (sign > 0)).to(log_probs.dtype), loss_mask),
+            "clipfrac_lower": masked_mean((clipped & (sign < 0)).to(log_probs.dtype), loss_mask),
+            "ppo_kl": masked_mean(-log_ratio, loss_mask),
+        }
+    return pg_losses, metrics

@@ -22,7 +22,12 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
 #         -> (pg_losses [N, T], metrics)
 POLICY_LOSSES: dict[str, Callable] = {
     "ppo": policy_losses.ppo_token_losses,
+    "vanilla": policy_losses.ppo_token_losses,  # verl's name for PPO's clipped surrogate
     "gspo": policy_losses.gspo_token_losses,
+    "cispo": policy_losses.cispo_token_losses,
+    "sapo": policy_losses.sapo_token_losses,
+    "gmpo": policy_losses.gmpo_token_losses,
+    "geo_mean": policy_losses.gmpo_token_losses,  # verl's name
 }
 
 # name -> fn(loss_mat [N, T], loss_mask [N, T]) -> scalar

@@ -466,6 +466,8 @@ class PolicyUpdater:
             agg_mode=cfg.loss_agg_mode,
             token_weights=weights,
             norm_length=self.norm_length,
+            tau_pos=cfg.sapo_tau_pos,
+            tau_neg=cfg.sapo_tau_neg,
         )
         metrics = {"actor/pg_loss": float(pg_loss.detach()), **{f"actor/{k}": v for k, v in m.items()}}
         loss = pg_loss
