@@ -29,6 +29,7 @@ def test_builtin_registry_names_every_rule_and_retrieval_metric():
         "soft_format": soft_format,
         "xml_count": xml_count,
         "contains_integer": contains_integer,
+        "overlong_penalty": rules.overlong_penalty,
         "agent_format": retrieval.agent_format,
         "ndcg": retrieval.ndcg,
         "recall": retrieval.recall,
@@ -176,3 +177,22 @@ def test_xml_count(response, expected):
 )
 def test_contains_integer(response, expected):
     assert contains_integer(response) == expected
+
+
+def test_dapos_overlong_penalty_as_a_component():
+    """verl's DAPO reward manager by hand: 20 tokens allowed, the last 8 a buffer, factor 1.0."""
+    from grouprl.config import ConfigError
+    from grouprl.data import Sample
+    from grouprl.rewards import CompositeReward, RewardComponent
+    from grouprl.rewards.rules import overlong_penalty
+    from grouprl.rollout.trajectory import Trajectory
+
+    shaping = RewardComponent("overlong", overlong_penalty, kwargs={"max_length": 20, "buffer_len": 8})
+    composite = CompositeReward([shaping])
+    sample = Sample(uid="u", messages=[{"role": "user", "content": "q"}])
+    lengths = [5, 12, 13, 16, 20]
+    trajectories = [Trajectory(sample=sample, index=i, prompt_ids=[1], response_ids=[7] * n) for i, n in enumerate(lengths)]
+    composite.score(trajectories)
+    assert [t.rewards["overlong"] for t in trajectories] == [0.0, 0.0, -1 / 8, -0.5, -1.0]
+    with pytest.raises(ConfigError, match="required argument buffer_len, max_length"):
+        RewardComponent("overlong", overlong_penalty)

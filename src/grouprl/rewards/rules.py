@@ -255,7 +255,30 @@ def contains_integer(response: str, ground_truth: Any = None, **kwargs) -> float
     return 1.0 if answer is not None and _INTEGER_LITERAL.fullmatch(answer) else 0.0
 
 
+def overlong_penalty(
+    trajectory: Any, *, max_length: int, buffer_len: int, penalty_factor: float = 1.0, **kwargs
+) -> float:
+    """DAPO's overlong reward shaping (arXiv 2503.14476; verl's `reward_model.overlong_buffer`):
+    0 up to `max_length - buffer_len` response tokens, then falling linearly to `-penalty_factor`
+    at `max_length` (a response the length limit cut off gets the whole penalty):
+
+        penalty = min(-(L - (max_length - buffer_len)) / buffer_len * penalty_factor, 0)
+
+    Add it as a component of weight 1 beside the task reward (DAPO adds it to the score);
+    `max_length` is the run's rollout.max_response_length.
+
+    >>> from types import SimpleNamespace as T
+    >>> [overlong_penalty(T(response_ids=[0] * n), max_length=10, buffer_len=4) for n in (5, 6, 8, 10)]
+    [0.0, 0.0, -0.5, -1.0]
+    """
+    if not 0 < buffer_len <= max_length:
+        raise ValueError(f"overlong_penalty needs 0 < buffer_len <= max_length, got {buffer_len} and {max_length}")
+    exceed = len(trajectory.response_ids) - (max_length - buffer_len)
+    return min(-exceed / buffer_len * penalty_factor, 0.0)
+
+
 RULES: dict[str, Callable[..., float]] = {
+    "overlong_penalty": overlong_penalty,
     "correctness": correctness,
     "strict_format": strict_format,
     "soft_format": soft_format,
