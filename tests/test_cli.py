@@ -146,6 +146,7 @@ def test_dry_run_imports_each_reward_and_checks_what_it_reads(capsys, tmp_path, 
         "def exact(response, ground_truth):\n    return float(response == ground_truth)\n"
         "def loose(response, **kwargs):\n    return 1.0\n"
         "def reward_len(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+        "def odd(response, level):\n    return 1.0\n"
     )
     no_truth = write_jsonl(tmp_path / "no_truth.jsonl", [{"question": "q"}])
 
@@ -168,13 +169,15 @@ def test_dry_run_imports_each_reward_and_checks_what_it_reads(capsys, tmp_path, 
         f"reward file not found: {gone} (from '{gone}:exact')"
     )
     assert one_line_error(capsys, "train", "--dry-run", components(f"{rewards}:exactly"), "reward.val_metric=r0") == (
-        f"reward file {rewards} has no function 'exactly' (callables there: exact, loose, reward_len)"
+        f"reward file {rewards} has no function 'exactly' (callables there: exact, loose, odd, reward_len)"
     )
-    assert one_line_error(capsys, "train", "--dry-run", components(f"{rewards}:reward_len"), "reward.val_metric=r0") == (
-        "reward component 'r0': required argument completions is not one of response, ground_truth, prompt, "
-        "extra_info, sample, trajectory nor set in its kwargs (a TRL-style reward takes lists of completions; "
-        "grouprl calls one per response)"
+    assert one_line_error(capsys, "train", "--dry-run", components(f"{rewards}:odd"), "reward.val_metric=r0") == (
+        "reward component 'r0': required argument level is not one of response, ground_truth, prompt, "
+        "extra_info, sample, trajectory nor set in its kwargs"
     )
+    # TRL's batch signature is taken as written (tests/rewards/test_reward_trl.py)
+    code, out, _ = run(capsys, "train", "--dry-run", components(f"{rewards}:reward_len"), "reward.val_metric=r0")
+    assert code == 0 and "every data column (TRL's batch call)" in out
 
 
 def test_explain_lists_settings(capsys, no_model_load):

@@ -146,12 +146,9 @@ def _accepted_context(name: str, fn: Callable[..., Any], kwargs: dict[str, Any])
         and (p.kind is p.POSITIONAL_ONLY or p.name not in set(CONTEXT_NAMES) | set(kwargs))
     )
     if missing:
-        trl = " (a TRL-style reward takes lists of completions; grouprl calls one per response)" if (
-            {"completions", "prompts", "completion_ids"} & set(missing)
-        ) else ""
         raise ConfigError(
             f"reward component {name!r}: required argument {', '.join(missing)} is not one of "
-            f"{', '.join(CONTEXT_NAMES)} nor set in its kwargs{trl}"
+            f"{', '.join(CONTEXT_NAMES)} nor set in its kwargs"
         )
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return None
