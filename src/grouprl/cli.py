@@ -455,6 +455,14 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from grouprl.convert import run
+
+    for line in run(args.source, args.out):
+        print(line)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training.")
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -481,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     add_judge(sub)  # grouprl judge score ...
     add_retriever(sub)  # grouprl retriever build | serve ...
     add_engine(sub)  # grouprl engine serve ...: rollout engines for trainers on other machines
+    conv = sub.add_parser(
+        "convert", help="a verl/VRAG launch script, overrides file or Hydra YAML -> a complete grouprl YAML and a report"
+    )
+    conv.add_argument("source", help="run_x.sh, a file of key=value overrides, or a verl config YAML")
+    conv.add_argument("-o", "--out", required=True, help="the grouprl YAML to write")
+    conv.set_defaults(func=cmd_convert)
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
     args = parser.parse_args(argv)

@@ -962,6 +962,8 @@ def _loggers(value: Any) -> list[str]:
 def _engine(value: Any) -> str:
     if value in ("vllm", "hf"):
         return value
+    if value == "sglang":  # the same role: a serving engine colocated with the trainer
+        return "vllm"
     raise ValueError(f"{value!r}: grouprl's engines are vllm and hf (its built-in one)")
 
 
@@ -1016,6 +1018,19 @@ NO_EFFECT: dict[str, str] = {
     "reward_model.reward_manager": "rewards are reward.components (convert picks verl's default scorer)",
     "custom_reward_function.name": "rewards are reward.components (convert reports the file)",
     "state_masking": "observation tokens never enter the loss anyway",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "vLLM's scheduler default is kept",
+    "actor_rollout_ref.rollout.max_num_seqs": "vLLM's scheduler default is kept",
+    "actor_rollout_ref.actor.entropy_checkpointing": "the entropy is computed in the LM head's chunks anyway",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": "the entropy is computed in the LM head's chunks anyway",
+    "actor_rollout_ref.actor.checkpoint.save_contents": "checkpoints hold the model, optimizer and run state",
+    "actor_rollout_ref.actor.checkpoint.load_contents": "checkpoints hold the model, optimizer and run state",
+    "trainer.log_val_generations": "every held-out answer is written to eval/answers.jsonl",
+    "reward_model.overlong_buffer.log": "the overlong penalty is logged as its component (reward/overlong)",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": "the overlong penalty is logged as its component (reward/overlong)",
+    "actor_rollout_ref.rollout.calculate_log_probs": "the engine's log-probs are kept wherever a correction needs them",
+    "data.dataloader_num_workers": "prompts are read in the trainer's process",
+    "data.val_batch_size": "held-out prompts are generated in the engine's batches",
+    "actor_rollout_ref.hybrid_engine": "vLLM is colocated with each rank anyway",
 }
 
 # keys whose meaning is a switch on another key's value (verl's gates): what the gate decides
@@ -1047,6 +1062,12 @@ NEAREST: dict[str, str] = {
     "actor_rollout_ref.actor.clip_ratio": "actor.clip_low and actor.clip_high (set from it)",
     "reward_model.rm_url": "a reward.judges entry (its base_url)",
     "reward_model.rm_model": "a reward.judges entry (its model)",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": "agent.tools (search, crop) with agent.retriever.url: grouprl's agent protocol, not verl's tool calls",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "rollout.val_temperature (evaluation samples at it, nucleus off)",
+    "actor_rollout_ref.rollout.val_kwargs.top_k": "rollout.val_temperature (evaluation samples at it, top-k off)",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "none: no sequence parallelism (actor.micro_batch_tokens bounds a pass)",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "none: no sequence parallelism",
+    "actor_rollout_ref.model.override_config.max_position_embeddings": "none: the model's own config.json is used",
 }
 
 # what verl does where a script is silent (ppo_trainer.yaml), as grouprl settings
@@ -1314,6 +1335,9 @@ def apply_override(tree: dict[str, Any], dotted: str) -> None:
     if key.strip().lstrip("+") in NO_EFFECT:  # verl keys grouprl has no use for: said once, not refused
         _logger.warning("verl key '%s' has no effect in grouprl: %s", key.strip().lstrip("+"), NO_EFFECT[key.strip().lstrip("+")])
         return
+    if key.strip().lstrip("+") in NEAREST:
+        name = key.strip().lstrip("+")
+        raise ConfigError(f"verl key '{name}' has no grouprl setting; nearest: {NEAREST[name]} (grouprl convert reports every key of a script)")
     key, value = _translate_verl_key(key.strip(), _parse_value(text))
     tokens = _key_tokens(key)
     node: Any = tree
@@ -1376,6 +1400,19 @@ def _paths_named(name: str, cls: type = Config, prefix: str = "") -> list[str]:
     return found
 
 
+@functools.cache
+def _all_keys(cls: type | None = None, prefix: str = "") -> frozenset[str]:
+    """Every dotted key of the config tree."""
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    keys: set[str] = set()
+    for f in dataclasses.fields(cls):
+        keys.add(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys |= _all_keys(hints[f.name], f"{prefix}{f.name}.")
+    return frozenset(keys)
+
+
 def _unknown_key(prefix: str, key: str, names: list[str], rest: str = "") -> ConfigError:
     """One line for a key its section lacks (`prefix` + `key`, then `rest` down to a leaf):
     the keys close to it (difflib; a verl name with the key it becomes) and what the section
@@ -1389,18 +1426,24 @@ def _unknown_key(prefix: str, key: str, names: list[str], rest: str = "") -> Con
     def ratio(a: str, b: str) -> float:
         return difflib.SequenceMatcher(None, a, b).ratio()
 
-    scored = [(ratio(key, n), f"{prefix}{n}{rest}", False) for n in names]
+    # a key of this section, where what follows it exists too (a hint names only keys that exist)
+    scored = [
+        (ratio(key, n), f"{prefix}{n}{rest}", False)
+        for n in names
+        if not rest or "[" in rest or f"{prefix}{n}{rest}" in _all_keys()
+    ]
     parent, _, leaf = full.rpartition(".")  # verl names: the mistyped leaf among its siblings
+    verl_names = {**{n: n for n in [*NO_EFFECT, *NEAREST]}, **VERL_KEYS}
     scored += [
-        (ratio(leaf, name.rpartition(".")[2]), f"{name} ({ours})", True)
-        for name, ours in VERL_KEYS.items()
+        (ratio(leaf, name.rpartition(".")[2]), f"{name} ({ours})" if ours != name else name, True)
+        for name, ours in verl_names.items()
         if name.rpartition(".")[0] == parent
     ]
     best = max((s for s, _, _ in scored), default=0.0)
     # difflib's usual cutoff, and only those about as close as the best (clip_ratio_low, not _c)
     close = sorted((x for x in scored if x[0] >= max(0.6, best - 0.1)), reverse=True)[:3]
     verl = any(is_verl for _, _, is_verl in close)
-    suggestions = [shown for _, shown, _ in close]
+    suggestions = list(dict.fromkeys(shown for _, shown, _ in close))
     if not suggestions and not prefix:  # a section's key written at the top level
         suggestions = [path + rest for path in _paths_named(key)][:3]
     hint = f"; did you mean {' or '.join(suggestions)}?" if suggestions else ""

@@ -1,0 +1,481 @@
+"""`grouprl convert`: a verl (or VRAG) launch script, a file of overrides, or a verl Hydra YAML
+in; a complete grouprl config and a report out.
+
+    grouprl convert run_qwen2_5_vl-7b.sh -o run.yaml     # then: grouprl train run.yaml --dry-run
+
+A script's `key=value` arguments are those of its `main_ppo` call (any `python -m
+verl.trainer.main_ppo`, `main_ppo.py` or VRAG's entry), after expanding its variables and arrays
+as bash would (`X=1`, `export X=1`, `${X}`, `${X:-default}`, `ARR=(a b)`, `"${ARR[@]}"`, line
+continuations); what bash alone could know (`$(...)`, `$1` without a default) stays as written
+and is reported. Every key is reported: translated (to what, with its value), no effect in
+grouprl (with why), or not taken (with the nearest setting). Every setting the script leaves out
+is written at verl's default (config.VERL_DEFAULTS), not the demo recipe's; the reward is verl's
+default scorer for the data's `data_source` (rewards/rules.py `verl_scorer`), written out.
+
+The translation table is config.py's (VERL_KEYS, VALUES, NO_EFFECT, GATES, NEAREST,
+VERL_DEFAULTS): the same one `grouprl train` uses for verl overrides.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grouprl.config import (
+    GATE_DEFAULTS,
+    GATES,
+    NEAREST,
+    NO_EFFECT,
+    VERL_DEFAULTS,
+    VERL_KEYS,
+    apply_override,
+    explain,
+    from_dict,
+    to_dict,
+    translate_value,
+)
+from grouprl.errors import ConfigError
+
+ENTRY_POINTS = re.compile(r"(main_ppo|verl\.trainer\.main|main_generation|vrag|train_grpo)")
+_ASSIGN = re.compile(r"^(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+@dataclass
+class Report:
+    translated: list[tuple[str, Any, str, Any]] = field(default_factory=list)  # verl key, value, ours, value
+    no_effect: list[tuple[str, Any, str]] = field(default_factory=list)  # key, value, why
+    not_taken: list[tuple[str, Any, str]] = field(default_factory=list)  # key, value, nearest
+    defaults: list[tuple[str, Any]] = field(default_factory=list)  # verl's defaults written
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"translated ({len(self.translated)}):"]
+        out += [f"  {k}={_show(v)}  ->  {ours}={_show(ov)}" for k, v, ours, ov in self.translated]
+        if self.no_effect:
+            out.append(f"no effect in grouprl ({len(self.no_effect)}):")
+            out += [f"  {k}={_show(v)}: {why}" for k, v, why in self.no_effect]
+        if self.not_taken:
+            out.append(f"not taken ({len(self.not_taken)}):")
+            out += [f"  {k}={_show(v)}: {why}" for k, v, why in self.not_taken]
+        out.append(f"verl's defaults written for what the input leaves out ({len(self.defaults)}):")
+        out += [f"  {k}={_show(v)}" for k, v in self.defaults]
+        out += [f"note: {n}" for n in self.notes]
+        return out
+
+
+def _show(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
+# ----------------------------------------------------------------------------- reading the input
+def arguments(path: str | Path) -> list[str]:
+    """The `key=value` items of a launch script, an overrides file or a verl Hydra YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"file not found: {path}")
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        tree = yaml.safe_load(text) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path} holds no mapping of settings")
+        return [f"{k}={_show(v)}" for k, v in _flatten(tree)]
+    items = script_arguments(text)
+    if items is None:  # no entry point: a file of overrides, whitespace- or line-separated
+        items = [t for t in shlex.split(text, comments=True) if "=" in t]
+    return items
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def script_arguments(text: str) -> list[str] | None:
+    """The key=value arguments of the script's trainer call, its variables expanded (None: no
+    trainer call in it)."""
+    text = re.sub(r"\\\r?\n", " ", text)  # line continuations
+    variables: dict[str, str | list[str]] = {}
+    for line in text.splitlines():
+        try:
+            words = shlex.split(line, comments=True, posix=True)
+        except ValueError:
+            continue
+        if not words:
+            continue
+        joined = line.strip()
+        assignment = _ASSIGN.match(joined)
+        if assignment and not ENTRY_POINTS.search(joined.split("=", 1)[0]):
+            name, raw = assignment.groups()
+            raw = raw.strip()
+            if raw.startswith("$((") and raw.rstrip(";").endswith("))"):  # arithmetic, spaces and all
+                variables[name] = _arithmetic(raw.rstrip(";")[3:-2], variables)
+                continue
+            if raw.startswith("(") and raw.endswith(")"):  # an array
+                variables[name] = [_expand(w, variables) for w in shlex.split(raw[1:-1], comments=True)]
+            else:
+                expanded = _expand(raw, variables)
+                try:
+                    parts = shlex.split(expanded, comments=True) if expanded else [""]
+                except ValueError:
+                    parts = [expanded]
+                variables[name] = " ".join(parts) if parts else ""
+            continue
+        if any(ENTRY_POINTS.search(w) for w in words):
+            start = next(i for i, w in enumerate(words) if ENTRY_POINTS.search(w))
+            items: list[str] = []
+            for word in shlex.split(_kept_whole(_expand_line(line, variables)), comments=True)[start + 1 :]:
+                word = word.replace("\x00", " ")
+                if "=" in word and not word.startswith("-"):
+                    items.append(word)
+            return items
+    return None
+
+
+def _kept_whole(line: str) -> str:
+    """`line` with the spaces inside each `$(...)` hidden (\\x00), so that splitting it into
+    words keeps a command substitution in its word, as bash does."""
+    out, depth, i = [], 0, 0
+    while i < len(line):
+        if line.startswith("$(", i):
+            depth += 1
+            out.append("$(")
+            i += 2
+            continue
+        ch = line[i]
+        if depth and ch == "(":
+            depth += 1
+        elif depth and ch == ")":
+            depth -= 1
+        out.append("\x00" if depth and ch == " " else ch)
+        i += 1
+    return "".join(out)
+
+
+def _expand_line(line: str, variables: dict) -> str:
+    """`line` with `"${ARR[@]}"` made separate quoted words and the other variables expanded."""
+
+    def array(match: re.Match) -> str:
+        value = variables.get(match.group(1))
+        if isinstance(value, list):
+            return " ".join(shlex.quote(v) for v in value)
+        return match.group(0)
+
+    line = re.sub(r'"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}"?', array, line)
+    return _expand(line, variables)
+
+
+def _arithmetic(expression: str, variables: dict) -> str:
+    """bash's `$(( ... ))` over integers (names are variables, `/` divides to an integer); the
+    text as written when it is more than that."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}  # fmt: skip
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return int(str(variables.get(node.id, os.environ.get(node.id, "0"))) or 0)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(node)
+
+    text = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", r"\1", expression)
+    try:
+        return str(value(ast.parse(text.strip(), mode="eval").body))
+    except (SyntaxError, ValueError, TypeError, ZeroDivisionError):
+        return f"$(({expression}))"
+
+
+def _expand(text: str, variables: dict) -> str:
+    """`text` with `$((...))`, `${...}` (nested ones too) and `$NAME` expanded as bash would,
+    where the script or the environment knows them."""
+    text = re.sub(r"\$\(\((.*?)\)\)(?!\))", lambda m: _arithmetic(m.group(1), variables), text)
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("${", i):
+            depth = 0
+            for j in range(i + 1, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    break
+            else:
+                out.append(text[i:])
+                break
+            out.append(_parameter(text[i + 2 : j], variables, text[i : j + 1]))
+            i = j + 1
+            continue
+        plain = re.match(r"\$([A-Za-z_][A-Za-z0-9_]*|[0-9])", text[i:])
+        if plain:
+            out.append(_parameter(plain.group(1), variables, plain.group(0)))
+            i += plain.end()
+            continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+def _parameter(inner: str, variables: dict, whole: str) -> str:
+    """One `${inner}`: a name, `#name`, `name[i]` / `name[@]`, `name:-default`."""
+    match = re.fullmatch(r"(#?)([A-Za-z_][A-Za-z0-9_]*|[0-9]+)(\[[@*0-9]+\])?(?::?-(.*))?", inner, re.S)
+    if match is None:
+        return whole
+    count, name, index, default = match.groups()
+    value = variables.get(name)
+    if value is None and name in os.environ and not name.isdigit():  # the script inherits this environment
+        value = os.environ[name]
+    if count:
+        return str(len(value) if isinstance(value, list) else len(value or ""))
+    if isinstance(value, list):
+        if index and index.strip("[]").isdigit():
+            i = int(index.strip("[]"))
+            return value[i] if i < len(value) else ""
+        return " ".join(value)
+    if value is not None and (value != "" or default is None):
+        return value
+    if default is not None:
+        return _expand(default.strip().strip('"').strip("'"), variables)
+    return whole  # what only bash would know (an argument, $(...)): kept, reported
+
+
+# ----------------------------------------------------------------------------- translating
+def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[dict, Report]:
+    """The grouprl config tree for verl `items` (key=value) and the report. `data_sources`: the
+    training data's data_source values (to choose verl's default scorer), where known."""
+    report = Report()
+    given: dict[str, Any] = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        key = key.strip().lstrip("+")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        given[key] = value
+    tree: dict[str, Any] = {}
+    written: set[str] = set()
+
+    def put(ours: str, value: Any) -> None:
+        apply_override(tree, f"{ours}={_show(value)}")
+        written.add(ours)
+
+    # VRAG: rollout.n is samples per call and n_agent the group; verl: rollout.n is the group
+    n, n_agent = given.pop("actor_rollout_ref.rollout.n", None), given.get("actor_rollout_ref.rollout.n_agent")
+    if n is not None and n_agent is not None:
+        report.no_effect.append(("actor_rollout_ref.rollout.n", n, f"VRAG's group size is rollout.n_agent={n_agent}"))
+    elif n is not None:
+        given["actor_rollout_ref.rollout.n"] = n
+    gates = {g: given.pop(g, GATE_DEFAULTS[g]) for g in GATES}
+    for gate, (behind, ours) in GATES.items():
+        value = given.pop(behind, GATE_DEFAULTS[behind])
+        if _truthy(gates[gate]):
+            put(ours, value)
+            report.translated.append((f"{gate}=true, {behind}", value, ours, value))
+        else:
+            put(ours, 0)
+            if behind in [i.partition("=")[0].lstrip("+") for i in items]:
+                report.no_effect.append((behind, value, f"{gate} is false (verl's gate): {ours}=0"))
+    _overlong(given, tree, report)
+    _dynamic_sampling(given, put, report)
+    for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"):
+        if given.get(key) == 1:
+            report.no_effect.append((key, given.pop(key), "1: no sequence parallelism, as grouprl"))
+    if str(given.get("actor_rollout_ref.rollout.val_kwargs.do_sample", "")).lower() == "false":
+        report.translated.append(("actor_rollout_ref.rollout.val_kwargs.do_sample", given.pop("actor_rollout_ref.rollout.val_kwargs.do_sample"),
+                                  "rollout.val_temperature", 0.0))  # fmt: skip
+        given["actor_rollout_ref.rollout.val_kwargs.temperature"] = 0.0
+    elif "actor_rollout_ref.rollout.val_kwargs.do_sample" in given:
+        report.no_effect.append(("actor_rollout_ref.rollout.val_kwargs.do_sample", given.pop("actor_rollout_ref.rollout.val_kwargs.do_sample"),
+                                 "evaluation samples at rollout.val_temperature (val_kwargs.temperature)"))  # fmt: skip
+    clip = given.pop("actor_rollout_ref.actor.clip_ratio", None)
+    if clip is not None:
+        for side in ("low", "high"):
+            given.setdefault(f"actor_rollout_ref.actor.clip_ratio_{side}", clip)
+    for key, value in list(given.items()):
+        if isinstance(value, str) and ("$(" in value or re.search(r"\$\{?[0-9A-Za-z_]", value)):
+            report.not_taken.append((key, value, "its value needs bash to run the script ($(...) or an argument): set it by hand"))
+            continue
+        if key in VERL_KEYS:
+            ours = VERL_KEYS[key]
+            try:
+                translated = translate_value(key, value)
+                if key in ("trainer.save_freq", "trainer.test_freq") and isinstance(value, int) and value < 0:
+                    translated = 0  # verl's -1: never (grouprl's 0: at the end only)
+            except ValueError as e:
+                report.not_taken.append((key, value, f"cannot translate {e}"))
+                continue
+            if key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and translated not in (1, None):
+                report.not_taken.append((key, value, "nearest: rollout.tensor_parallel_size=1 (each rank's vLLM holds the "
+                                                     "whole model on its GPU; the memory plan says whether it fits)"))  # fmt: skip
+                continue
+            if key == "algorithm.adv_estimator" and value not in ("grpo", "rloo", "grpo_batch"):
+                report.not_taken.append((key, value, "nearest: algorithm.adv_estimator=grpo (no critic: grpo, rloo, grpo_batch)"))
+                continue
+            if key == "data.truncation" and "data.filter_overlong_prompts" in given and _truthy(given["data.filter_overlong_prompts"]):
+                report.no_effect.append((key, value, "over-long prompts are filtered out first (data.filter_overlong_prompts)"))
+                continue
+            put(ours, translated)
+            report.translated.append((key, value, ours, translated))
+            if value == "sglang":
+                report.notes.append("rollout.engine: vllm in place of sglang (grouprl's serving engine)")
+            if key == "actor_rollout_ref.rollout.multi_turn.enable" and _truthy(value):
+                report.notes.append("agent.enabled: grouprl's agent speaks its own protocol (<search>, <bbox>, "
+                                    "<search_complete>) rather than verl's tool calls; see README, Search agent")  # fmt: skip
+        elif key in NO_EFFECT or key.startswith("actor_rollout_ref.rollout.engine_kwargs."):
+            report.no_effect.append((key, value, NO_EFFECT.get(key, "vLLM's engine keyword arguments are vLLM's defaults")))
+        elif key in NEAREST:
+            report.not_taken.append((key, value, f"nearest: {NEAREST[key]}"))
+        elif _ours(key):
+            put(key, value)
+            report.translated.append((key, value, key, value))
+        else:
+            near = difflib.get_close_matches(key, [*VERL_KEYS, *NO_EFFECT, *NEAREST], n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}?" if near else "nothing in grouprl (see grouprl train --explain)"
+            report.not_taken.append((key, value, hint))
+    if "algorithm.adv_estimator" not in given:
+        report.notes.append("the input sets no algorithm.adv_estimator: verl's default is gae (a critic), which grouprl "
+                            "does not have; grpo is written")  # fmt: skip
+    for ours, value in VERL_DEFAULTS.items():
+        if ours not in written:
+            put(ours, value)
+            report.defaults.append((ours, value))
+    _reward(tree, report, data_sources)
+    return tree, report
+
+
+OVERLONG = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.")
+
+
+def _overlong(given: dict, tree: dict, report: Report) -> None:
+    """DAPO's overlong buffer (either spelling) -> an overlong_penalty component."""
+    full = [k for k in list(given) if k.startswith(OVERLONG) and not k.endswith(".log")]
+    found = {k.split(".")[-1]: given.pop(k) for k in full}
+    longest = given.pop("reward_model.reward_kwargs.max_resp_len", None)
+    if longest is not None:
+        full.append("reward_model.reward_kwargs.max_resp_len")
+    if not found:
+        if longest is not None:
+            report.no_effect.append(("reward_model.reward_kwargs.max_resp_len", longest, "no overlong buffer is set"))
+        return
+    keys = ", ".join(full)
+    if not _truthy(found.get("enable", False)):
+        report.no_effect.append((keys, found, "the overlong buffer is not enabled"))
+        return
+    max_length = longest or given.get("data.max_response_length") or VERL_DEFAULTS["rollout.max_response_length"]
+    kwargs = {"max_length": int(max_length), "buffer_len": int(found.get("len", 4096)),
+              "penalty_factor": float(found.get("penalty_factor", 1.0))}  # fmt: skip
+    tree.setdefault("reward", {})["overlong"] = kwargs
+    report.translated.append((keys, found, "reward.components: overlong_penalty", kwargs))
+
+
+def _dynamic_sampling(given: dict, put, report: Report) -> None:
+    """DAPO's dynamic sampling (filter_groups, gen_batch_size) -> the curriculum's dynamic filter."""
+    gen = given.pop("data.gen_batch_size", None)
+    enabled = _truthy(given.get("algorithm.filter_groups.enable", False))
+    if gen is not None and enabled:
+        batch = given.get("data.train_batch_size", VERL_DEFAULTS["data.train_batch_size"])
+        put("curriculum.max_oversample", float(gen) / float(batch))
+        report.translated.append(("data.gen_batch_size", gen, "curriculum.max_oversample", float(gen) / float(batch)))
+    elif gen is not None:
+        report.no_effect.append(("data.gen_batch_size", gen, "algorithm.filter_groups.enable is false"))
+    if enabled:
+        put("data.sampler", "curriculum")
+        report.notes.append("dynamic sampling (filter_groups) runs on grouprl's curriculum sampler, which draws prompts "
+                            "by difficulty bucket rather than uniformly as verl does")  # fmt: skip
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def _ours(key: str) -> bool:
+    """`key` is a grouprl setting already."""
+    return any(line.startswith(f"{key} = ") for line in _explained())
+
+
+_EXPLAINED: list[str] = []
+
+
+def _explained() -> list[str]:
+    if not _EXPLAINED:
+        _EXPLAINED.extend(explain())
+    return _EXPLAINED
+
+
+def _reward(tree: dict, report: Report, data_sources: list[str] | None) -> None:
+    """verl's default scorer by data_source: one rule when the data names one source it knows,
+    else verl_default (chosen per sample)."""
+    from grouprl.rewards.rules import verl_scorer
+
+    sources = sorted(set(data_sources or []))
+    rules = {verl_scorer(s) for s in sources}
+    if len(rules) == 1 and None not in rules:
+        rule = rules.pop()
+        why = f"verl's default scorer for data_source {', '.join(sources)}"
+    else:
+        rule = "verl_default"
+        why = "verl's default scorer, chosen per sample by its data_source"
+        if None in rules:
+            report.notes.append(f"no verl default scorer for data_source {', '.join(s for s in sources if verl_scorer(s) is None)}: "
+                                "set reward.components for it")  # fmt: skip
+    components = [{"name": "score", "function": rule, "weight": 1.0}]
+    overlong = tree.get("reward", {}).pop("overlong", None)
+    if overlong is not None:  # DAPO adds it to the score
+        components.append({"name": "overlong", "function": "overlong_penalty", "weight": 1.0, "kwargs": overlong})
+    tree.setdefault("reward", {})["components"] = components
+    tree["reward"]["val_metric"] = "score"
+    report.notes.append(f"reward: {rule} ({why})")
+
+
+def data_sources_of(files: list[str]) -> list[str] | None:
+    """The data_source values of the first rows of the readable training files, or None."""
+    import json
+
+    found: list[str] = []
+    for f in files:
+        path = Path(f).expanduser()
+        if not path.is_file():
+            return None
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(path)
+            if "data_source" not in parquet.schema_arrow.names or not parquet.metadata.num_rows:
+                continue
+            column = parquet.read_row_group(0, columns=["data_source"]).column("data_source").to_pylist()
+            found += [str(v) for v in column if v]
+        else:
+            with path.open() as lines:
+                for line, _ in zip(lines, range(100)):
+                    record = json.loads(line) if line.strip().startswith("{") else {}
+                    if record.get("data_source"):
+                        found.append(str(record["data_source"]))
+    return found or None
+
+
+def run(source: str, out: str) -> list[str]:
+    """Convert `source` into the YAML `out`; the report's lines."""
+    items = arguments(source)
+    trainfiles = next((i.partition("=")[2] for i in items if i.startswith("data.train_files=")), None)
+    files = yaml.safe_load(trainfiles) if trainfiles else None
+    files = [files] if isinstance(files, str) else files or []
+    tree, report = convert(items, data_sources_of([str(f) for f in files]) if files else None)
+    cfg = from_dict(tree)  # a complete, valid config (every setting)
+    Path(out).write_text(f"# converted by grouprl convert from {source}\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return report.lines() + [f"wrote {out}: check it with grouprl train {out} --dry-run"]

@@ -1,0 +1,151 @@
+"""`grouprl convert`: a verl launch script (variables, defaults, arrays, arithmetic, line
+continuations, Hydra's + prefix) or a verl YAML in; every key reported (translated, no effect
+with why, not taken with the nearest setting), verl's meaning kept (its defaults where the
+script is silent, its gates, VRAG's n_agent, DAPO's overlong buffer and dynamic sampling, the
+reward its default scorer would pick); the written YAML is a complete config that passes the
+dry run. Also `grouprl train` with verl overrides: the same translations."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from grouprl.cli import main
+from grouprl.config import load_config
+from grouprl.convert import arguments, convert, script_arguments
+
+SCRIPT = r"""#!/bin/bash
+set -x
+ENGINE=${1:-vllm}
+export DATA_HOME=${DATA_HOME_UNSET:-"/data/gsm8k"}
+max_prompt_length=$((256 * 2))
+max_response_length=$((1024 * 2))
+overlong_buffer_len=$((1024 * 1))
+ppo_max=$(( (max_prompt_length + max_response_length) * 2 ))
+EXTRA=(trainer.total_epochs=3 "trainer.project_name=my project")
+
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    data.train_files=${DATA_HOME}/train.parquet \
+    data.max_prompt_length=${max_prompt_length} \
+    data.max_response_length=${max_response_length} \
+    data.filter_overlong_prompts=True \
+    data.truncation='error' \
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.01 \
+    actor_rollout_ref.actor.use_dynamic_bsz=True \
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=${ppo_max} \
+    actor_rollout_ref.actor.policy_loss.loss_mode=gspo \
+    actor_rollout_ref.actor.clip_ratio_low=3e-4 \
+    actor_rollout_ref.actor.clip_ratio_high=4e-4 \
+    actor_rollout_ref.rollout.name=$ENGINE \
+    actor_rollout_ref.rollout.n=5 \
+    actor_rollout_ref.rollout.top_k=-1 \
+    algorithm.kl_ctrl.kl_coef=0.5 \
+    +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True \
+    +reward_model.reward_kwargs.overlong_buffer_cfg.len=${overlong_buffer_len} \
+    +reward_model.reward_kwargs.max_resp_len=${max_response_length} \
+    trainer.logger='["console","wandb"]' \
+    trainer.save_freq=-1 \
+    trainer.experiment_name=run-$(date +%s) \
+    actor_rollout_ref.actor.optim.lr_warmup_step=10 \
+    "${EXTRA[@]}" $@
+"""
+
+
+def test_a_scripts_arguments_are_expanded_as_bash_would():
+    items = script_arguments(SCRIPT)
+    assert "data.train_files=/data/gsm8k/train.parquet" in items  # ${X:-"default"}, then $X/...
+    assert "data.max_prompt_length=512" in items and "data.max_response_length=2048" in items  # $((...))
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=5120" in items  # names inside $((...))
+    assert "actor_rollout_ref.rollout.name=vllm" in items  # ${1:-vllm} with no argument
+    assert items[-2:] == ["trainer.total_epochs=3", "trainer.project_name=my project"]  # "${ARR[@]}"
+    assert "+reward_model.reward_kwargs.overlong_buffer_cfg.len=1024" in items
+    assert any(i.startswith("trainer.experiment_name=run-$(date") for i in items)  # only bash knows
+
+
+@pytest.fixture
+def gsm8k_data(tmp_path):
+    path = tmp_path / "train.parquet"
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i)}} for i in range(4)]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_the_script_converts_with_every_key_reported_and_verls_meaning_kept(tmp_path, gsm8k_data, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text(SCRIPT.replace("${DATA_HOME}/train.parquet", str(gsm8k_data)))
+    out = tmp_path / "run.yaml"
+    assert main(["convert", str(script), "-o", str(out)]) == 0
+    report = capsys.readouterr().out
+    items = arguments(script)
+    for item in items:  # every key the script gives is in the report
+        assert item.partition("=")[0].lstrip("+") in report, item
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode=gspo  ->  actor.policy_loss=gspo" in report
+    assert "actor_rollout_ref.model.use_remove_padding=true: grouprl's passes carry no padding" in report
+    assert "algorithm.kl_ctrl.kl_coef=0.5: algorithm.use_kl_in_reward is false (verl's gate): algorithm.kl_coef=0" in report
+    assert "trainer.experiment_name=run-$(date +%s): its value needs bash" in report
+    assert "actor_rollout_ref.actor.optim.lr_warmup_step=10: did you mean actor_rollout_ref.actor.optim.lr_warmup_steps?" in report
+    assert "note: reward: gsm8k (verl's default scorer for data_source openai/gsm8k)" in report
+
+    cfg = load_config(out)  # a complete config: every setting written, and valid
+    tree = yaml.safe_load(out.read_text())
+    assert set(tree) >= {"data", "model", "rollout", "reward", "algorithm", "actor", "trainer", "agent", "curriculum"}
+    a, r = cfg.actor, cfg.rollout
+    assert (a.policy_loss, a.clip_low, a.clip_high, a.loss_agg_mode) == ("gspo", 3e-4, 4e-4, "token-mean")  # verl's agg default
+    assert (a.kl_loss_coef, cfg.algorithm.kl_coef, a.micro_batch_tokens) == (0.01, 0.0, 5120)  # the gates
+    assert (r.n_agent, r.temperature, r.top_k, r.engine, r.stop) == (5, 1.0, 0, "vllm", [])
+    assert (cfg.trainer.total_epochs, cfg.trainer.total_steps, cfg.trainer.max_time_minutes) == (3, 0, 0.0)
+    assert (cfg.trainer.save_freq, cfg.trainer.project_name) == (0, "my project")
+    assert cfg.trainer.loggers == ["jsonl", "console", "wandb"]
+    assert (cfg.data.prompt_overflow, cfg.data.max_prompt_length, r.max_response_length) == ("skip", 512, 2048)
+    assert (a.optim.weight_decay, a.optim.warmup_ratio, a.ppo_epochs) == (0.01, 0.0, 1)  # verl's defaults
+    assert [(c.name, c.function, c.weight) for c in cfg.reward.components] == [
+        ("score", "gsm8k", 1.0), ("overlong", "overlong_penalty", 1.0)
+    ]  # fmt: skip
+    assert cfg.reward.components[1].kwargs == {"max_length": 2048, "buffer_len": 1024, "penalty_factor": 1.0}
+    code = main(["train", "--dry-run", str(out), "model.path=builtin:smollm2-135m"])  # the hub is not reachable here
+    assert code in (0, 1)  # 1: the memory plan of this machine refuses a 2048-token batch of 1024 prompts x 5
+    assert "config is valid" in capsys.readouterr().out
+
+
+def test_vrags_group_size_and_a_gate_left_closed():
+    tree, report = convert([
+        "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n_agent=5", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "algorithm.adv_estimator=grpo", "retriever.url=http://127.0.0.1:8000/search", "max_turns=4",
+    ])  # fmt: skip
+    assert tree["rollout"]["n_agent"] == 5 and tree["actor"]["kl_loss_coef"] == 0
+    assert ("actor_rollout_ref.rollout.n", 1, "VRAG's group size is rollout.n_agent=5") in report.no_effect
+    assert any(k == "actor_rollout_ref.actor.kl_loss_coef" and "use_kl_loss is false" in why for k, _, why in report.no_effect)
+    assert tree["agent"]["retriever"]["url"] == "http://127.0.0.1:8000/search" and tree["agent"]["max_turns"] == 4
+    assert tree["reward"]["components"][0]["function"] == "verl_default"  # no data to read: chosen per sample
+
+
+def test_a_verl_yaml_and_dynamic_sampling(tmp_path):
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"train_batch_size": 32, "gen_batch_size": 96},
+        "algorithm": {"adv_estimator": "gae", "filter_groups": {"enable": True}},
+        "actor_rollout_ref": {"actor": {"clip_ratio": 0.28}},
+    }))  # fmt: skip
+    tree, report = convert(arguments(path))
+    assert tree["curriculum"] == {"dynamic_filter": True, "max_oversample": 3.0} and tree["data"]["sampler"] == "curriculum"
+    assert tree["actor"]["clip_low"] == tree["actor"]["clip_high"] == 0.28
+    assert ("algorithm.adv_estimator", "gae") in [(k, v) for k, v, _ in report.not_taken]
+    assert tree["algorithm"]["adv_estimator"] == "grpo"
+
+
+def test_train_takes_the_same_translations_directly(caplog):
+    cfg = load_config(None, [
+        "data.truncation=left", "actor_rollout_ref.rollout.top_k=-1", "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+        "trainer.logger=['console']", "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6", "actor_rollout_ref.rollout.max_model_len=4096",
+    ])  # fmt: skip
+    assert (cfg.data.prompt_overflow, cfg.rollout.top_k, cfg.actor.policy_loss) == ("truncate", 0, "ppo")
+    assert (cfg.trainer.loggers, cfg.rollout.val_temperature, cfg.rollout.max_model_len) == (["jsonl", "console"], 0.6, 4096)
+    assert "verl key 'actor_rollout_ref.model.use_remove_padding' has no effect in grouprl" in caplog.text
