@@ -5,7 +5,6 @@ script is silent, its gates, VRAG's n_agent, DAPO's overlong buffer and dynamic 
 reward its default scorer would pick); the written YAML is a complete config that passes the
 dry run. Also `grouprl train` with verl overrides: the same translations."""
 
-import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
