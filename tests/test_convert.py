@@ -148,3 +148,13 @@ def test_train_takes_the_same_translations_directly(caplog):
     assert (cfg.data.prompt_overflow, cfg.rollout.top_k, cfg.actor.policy_loss) == ("truncate", 0, "ppo")
     assert (cfg.trainer.loggers, cfg.rollout.val_temperature, cfg.rollout.max_model_len) == (["jsonl", "console"], 0.6, 4096)
     assert "verl key 'actor_rollout_ref.model.use_remove_padding' has no effect in grouprl" in caplog.text
+
+
+def test_readmes_table_is_the_translation_table():
+    from pathlib import Path
+
+    from grouprl.convert import mapping_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- verl-table -->\n", 1)[1].split("\n<!-- /verl-table -->", 1)[0]
+    assert block.splitlines() == mapping_table()

@@ -479,3 +479,13 @@ def run(source: str, out: str) -> list[str]:
     cfg = from_dict(tree)  # a complete, valid config (every setting)
     Path(out).write_text(f"# converted by grouprl convert from {source}\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return report.lines() + [f"wrote {out}: check it with grouprl train {out} --dry-run"]
+
+
+def mapping_table() -> list[str]:
+    """README's table of verl names (made from the translation table; a test keeps them equal)."""
+    rows = ["| verl / VRAG key | grouprl setting |", "|---|---|"]
+    rows += [f"| `{verl}` | `{ours}` |" for verl, ours in sorted(VERL_KEYS.items())]
+    rows += [f"| `{gate}` | gates `{ours}` (false: 0) |" for gate, (_, ours) in sorted(GATES.items())]
+    rows += [f"| `{key}` | no effect: {why} |" for key, why in sorted(NO_EFFECT.items())]
+    rows += [f"| `{key}` | not taken; nearest: {near} |" for key, near in sorted(NEAREST.items())]
+    return rows
