@@ -361,6 +361,11 @@ def test_an_index_into_a_recipe_list_from_the_command_line(capsys, no_model_load
 
 def test_a_mistyped_verl_key_from_the_command_line(capsys, no_model_load):
     assert one_line_error(capsys, "train", "--dry-run", "actor_rollout_ref.actor.clip_ratio_lowz=3e-4") == (
+        "1 verl override(s) not taken: actor_rollout_ref.actor.clip_ratio_lowz=3e-4 (did you mean "
+        "actor_rollout_ref.actor.clip_ratio_low?)"
+    )
+    # with a config file the override is read as the file's own keys are
+    assert one_line_error(capsys, "train", "--dry-run", "src/grouprl/configs/default.yaml", "actor_rollout_ref.actor.clip_ratio_lowz=3e-4") == (
         "unknown config key 'actor_rollout_ref.actor.clip_ratio_lowz'; did you mean "
         "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?"
     )

@@ -158,3 +158,19 @@ def test_readmes_table_is_the_translation_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("<!-- verl-table -->\n", 1)[1].split("\n<!-- /verl-table -->", 1)[0]
     assert block.splitlines() == mapping_table()
+
+
+def test_train_with_verl_overrides_alone_runs_verls_meaning_and_lists_every_key_it_cannot_take(capsys):
+    verl = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "trainer.total_epochs=2",
+            "actor_rollout_ref.actor.use_kl_loss=True", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]  # fmt: skip
+    code = main(["train", "--dry-run", *verl, "model.path=builtin:smollm2-135m-instruct"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "config is valid" in out
+    assert "loss: ppo (clip 0.8..1.2, token-mean)" in out  # verl's, not the demo recipe's GSPO
+    assert "kl_loss_coef=0.001" in out  # the gate opened with verl's default coefficient
+    assert "batch: 4 prompts x 4 samples" in out
+    code = main(["train", "--dry-run", *verl, "actor_rollout_ref.rollout.max_num_seq=3", "critic.x=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("grouprl: error: 2 verl override(s) not taken: actor_rollout_ref.rollout.max_num_seq=3 "
+                          "(did you mean actor_rollout_ref.rollout.max_num_seqs?); critic.x=1")  # fmt: skip

@@ -141,10 +141,34 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _load(items: list[str]):
-    from grouprl.config import load_config
+    from grouprl.config import is_verl_only, load_config
 
     path, overrides = _split_args(items)
+    if path is None and any(is_verl_only(o) for o in overrides):
+        return _from_verl(overrides)
     return load_config(path or DEFAULT_RECIPE, overrides)
+
+
+def _from_verl(overrides: list[str]):
+    """A run given verl's overrides and no config file: verl's meaning (its defaults, gates,
+    scorer), as `grouprl convert` would write it, not the demo recipe; every key no setting
+    takes in one line."""
+    import yaml
+
+    from grouprl.config import from_dict
+    from grouprl.convert import convert, data_sources_of
+    from grouprl.errors import ConfigError
+
+    files = next((yaml.safe_load(o.partition("=")[2]) for o in overrides if o.lstrip("+").startswith("data.train_files=")), None)
+    files = [files] if isinstance(files, str) else files or []
+    tree, report = convert(overrides, data_sources_of([str(f) for f in files]) if files else None)
+    if report.not_taken:
+        listed = "; ".join(f"{k}={v} ({why})" for k, v, why in report.not_taken)
+        raise ConfigError(f"{len(report.not_taken)} verl override(s) not taken: {listed}")
+    for key, _, why in report.no_effect:
+        logging.getLogger("grouprl").info("verl key %s has no effect in grouprl: %s", key, why)
+    logging.getLogger("grouprl").info("verl overrides without a config file: verl's defaults for the rest (grouprl convert)")
+    return from_dict(tree)
 
 
 def describe_correction(cfg) -> str:

@@ -1284,6 +1284,16 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def is_verl_only(item: str) -> bool:
+    """A `key=value` override whose key is verl's name and not also grouprl's."""
+    key = item.partition("=")[0].strip().lstrip("+")
+    if key in _all_keys():
+        return False
+    return key in VERL_KEYS or key in NO_EFFECT or key in GATES or key in NEAREST or key.startswith(
+        ("actor_rollout_ref.", "reward_model.", "critic.", "custom_reward_function.")
+    )
+
+
 def _translate_verl_key(key: str, value: Any) -> tuple[str, Any]:
     key = key.lstrip("+")
     if key in VERL_KEYS:
@@ -1334,6 +1344,10 @@ def apply_override(tree: dict[str, Any], dotted: str) -> None:
     key, text = dotted.split("=", 1)
     if key.strip().lstrip("+") in NO_EFFECT:  # verl keys grouprl has no use for: said once, not refused
         _logger.warning("verl key '%s' has no effect in grouprl: %s", key.strip().lstrip("+"), NO_EFFECT[key.strip().lstrip("+")])
+        return
+    if key.strip().lstrip("+") in GATES:  # verl's switch: closed, the setting behind it is 0
+        if str(_parse_value(text)).lower() in ("false", "0", "no"):
+            apply_override(tree, f"{GATES[key.strip().lstrip('+')][1]}=0")
         return
     if key.strip().lstrip("+") in NEAREST:
         name = key.strip().lstrip("+")
