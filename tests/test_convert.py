@@ -117,7 +117,10 @@ def test_vrags_group_size_and_a_gate_left_closed():
     tree, report = convert([
         "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.rollout.n_agent=5", "actor_rollout_ref.actor.kl_loss_coef=0.01",
         "algorithm.adv_estimator=grpo", "retriever.url=http://127.0.0.1:8000/search", "max_turns=4",
+        "actor_rollout_ref.actor.kl_loss_type=clipping",  # the source's script: a KL type grouprl does not have
     ])  # fmt: skip
+    assert [(k, v) for k, v, _ in report.not_taken] == [("actor_rollout_ref.actor.kl_loss_type", "clipping")]
+    assert tree["actor"]["kl_loss_type"] == "low_var_kl"  # verl's default, the config valid
     assert tree["rollout"]["n_agent"] == 5 and tree["actor"]["kl_loss_coef"] == 0
     assert ("actor_rollout_ref.rollout.n", 1, "VRAG's group size is rollout.n_agent=5") in report.no_effect
     assert any(k == "actor_rollout_ref.actor.kl_loss_coef" and "use_kl_loss is false" in why for k, _, why in report.no_effect)

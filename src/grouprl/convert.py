@@ -18,6 +18,7 @@ VERL_DEFAULTS): the same one `grouprl train` uses for verl overrides.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -330,7 +331,11 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
             if key == "data.truncation" and "data.filter_overlong_prompts" in given and _truthy(given["data.filter_overlong_prompts"]):
                 report.no_effect.append((key, value, "over-long prompts are filtered out first (data.filter_overlong_prompts)"))
                 continue
-            put(ours, translated)
+            try:
+                put(ours, translated)
+            except ConfigError as e:  # a value grouprl's setting does not take
+                report.not_taken.append((key, value, str(e)))
+                continue
             report.translated.append((key, value, ours, translated))
             if value == "sglang":
                 report.notes.append("rollout.engine: vllm in place of sglang (grouprl's serving engine)")
@@ -342,7 +347,11 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
         elif key in NEAREST:
             report.not_taken.append((key, value, f"nearest: {NEAREST[key]}"))
         elif _ours(key):
-            put(key, value)
+            try:
+                put(key, value)
+            except ConfigError as e:
+                report.not_taken.append((key, value, str(e)))
+                continue
             report.translated.append((key, value, key, value))
         else:
             near = difflib.get_close_matches(key, [*VERL_KEYS, *NO_EFFECT, *NEAREST], n=1, cutoff=0.6)
@@ -356,7 +365,33 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
             put(ours, value)
             report.defaults.append((ours, value))
     _reward(tree, report, data_sources)
+    _drop_invalid(tree, report)
     return tree, report
+
+
+def _drop_invalid(tree: dict, report: Report) -> None:
+    """A translated value grouprl's setting refuses (e.g. a KL type it does not have) is moved to
+    'not taken', its setting back at verl's default (or grouprl's), until the config is valid."""
+    produced = {ours: (key, value) for key, value, ours, _ in report.translated if isinstance(ours, str) and "." in ours}
+    for _ in range(len(produced) + 1):
+        try:
+            from_dict(copy.deepcopy(tree))
+            return
+        except ConfigError as e:
+            found = re.search(r"config key '([^']+)'", str(e))
+            ours = found.group(1) if found else None
+            if ours not in produced:
+                raise
+            key, value = produced.pop(ours)
+            report.translated = [t for t in report.translated if t[2] != ours]
+            report.not_taken.append((key, value, str(e)))
+            section, _, leaf = ours.rpartition(".")
+            node = tree
+            for part in section.split("."):
+                node = node.get(part, {})
+            node.pop(leaf, None)
+            if ours in VERL_DEFAULTS:
+                apply_override(tree, f"{ours}={_show(VERL_DEFAULTS[ours])}")
 
 
 OVERLONG = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.")
