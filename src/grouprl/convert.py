@@ -360,6 +360,11 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
     if "algorithm.adv_estimator" not in given:
         report.notes.append("the input sets no algorithm.adv_estimator: verl's default is gae (a critic), which grouprl "
                             "does not have; grpo is written")  # fmt: skip
+    batch = tree.get("data", {}).get("train_batch_size", VERL_DEFAULTS["data.train_batch_size"])
+    if "actor.mini_batch_size" not in written and batch < VERL_DEFAULTS["actor.mini_batch_size"]:
+        put("actor.mini_batch_size", batch)
+        report.notes.append(f"actor.mini_batch_size={batch}: verl's default ppo_mini_batch_size (256) is more than the "
+                            "batch, which verl refuses; one optimizer step a batch")  # fmt: skip
     for ours, value in VERL_DEFAULTS.items():
         if ours not in written:
             put(ours, value)
