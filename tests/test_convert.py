@@ -177,3 +177,8 @@ def test_train_with_verl_overrides_alone_runs_verls_meaning_and_lists_every_key_
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("grouprl: error: 2 verl override(s) not taken: actor_rollout_ref.rollout.max_num_seq=3 "
                           "(did you mean actor_rollout_ref.rollout.max_num_seqs?); critic.x=1")  # fmt: skip
+
+
+def test_a_gate_given_alone_is_reported():
+    _, report = convert(["algorithm.use_kl_in_reward=False", "algorithm.adv_estimator=grpo"])
+    assert ("algorithm.use_kl_in_reward", False, "algorithm.kl_coef", 0) in report.translated

@@ -282,6 +282,7 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
         report.no_effect.append(("actor_rollout_ref.rollout.n", n, f"VRAG's group size is rollout.n_agent={n_agent}"))
     elif n is not None:
         given["actor_rollout_ref.rollout.n"] = n
+    named = {i.partition("=")[0].strip().lstrip("+") for i in items}
     gates = {g: given.pop(g, GATE_DEFAULTS[g]) for g in GATES}
     for gate, (behind, ours) in GATES.items():
         value = given.pop(behind, GATE_DEFAULTS[behind])
@@ -290,8 +291,10 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
             report.translated.append((f"{gate}=true, {behind}", value, ours, value))
         else:
             put(ours, 0)
-            if behind in [i.partition("=")[0].lstrip("+") for i in items]:
+            if behind in named:
                 report.no_effect.append((behind, value, f"{gate} is false (verl's gate): {ours}=0"))
+            elif gate in named:
+                report.translated.append((gate, gates[gate], ours, 0))
     _overlong(given, tree, report)
     _dynamic_sampling(given, put, report)
     for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"):
