@@ -96,11 +96,11 @@ def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_
         (
             ["rollout.max_staleness=2", "rollout.engine_process=true"],
             "asynchronous: up to 2 step(s) ahead of the update (fixed_lag), in an engine process of its own on the "
-            "trainer device (weights over gloo) over a whole copy of the policy on each rank",
+            "trainer device (weights over its pipe, NCCL between GPUs) over a whole copy of the policy on each rank",
         ),
         (
             ["rollout.max_staleness=1", "rollout.engine_address=10.0.0.2:7100"],
-            "in an engine process of the engine service at 10.0.0.2:7100 (weights over torch.distributed) over a "
+            "in an engine process of the engine service at 10.0.0.2:7100 (weights over the authenticated connection, NCCL between GPUs) over a "
             "whole copy of the policy on each rank",
         ),
     ):

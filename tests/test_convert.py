@@ -182,3 +182,32 @@ def test_train_with_verl_overrides_alone_runs_verls_meaning_and_lists_every_key_
 def test_a_gate_given_alone_is_reported():
     _, report = convert(["algorithm.use_kl_in_reward=False", "algorithm.adv_estimator=grpo"])
     assert ("algorithm.use_kl_in_reward", False, "algorithm.kl_coef", 0) in report.translated
+
+
+def test_a_quickstart_script_with_an_environment_prefix_and_other_commands(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "source ~/venvs/vrag/bin/activate\n"
+        "MODEL=Qwen/Qwen2.5-3B\n"
+        "PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \\\n"
+        "    actor_rollout_ref.model.path=$MODEL data.train_batch_size=384 \\\n"
+        "    data.truncation=left data.filter_overlong_prompts=False\n"
+    )
+    items = arguments(script)
+    assert items == ["actor_rollout_ref.model.path=Qwen/Qwen2.5-3B", "data.train_batch_size=384",
+                     "data.truncation=left", "data.filter_overlong_prompts=False"]  # fmt: skip
+    tree, report = convert(items)
+    assert tree["actor"]["mini_batch_size"] == 192  # verl's 256 does not divide 384
+    assert tree["data"]["prompt_overflow"] == "truncate"  # truncation decides when filtering is off
+    reversed_order, _ = convert(list(reversed(items)))
+    assert reversed_order["data"]["prompt_overflow"] == "truncate"  # whatever the order
+
+
+def test_gates_with_a_config_file_act_after_the_other_overrides():
+    from pathlib import Path
+
+    default = Path(__file__).resolve().parents[1] / "src" / "grouprl" / "configs" / "default.yaml"
+    gate = "actor_rollout_ref.actor.use_kl_loss"
+    assert load_config(default, [f"{gate}=true"]).actor.kl_loss_coef == 0.001  # verl's coefficient
+    assert load_config(default, [f"{gate}=false", "actor_rollout_ref.actor.kl_loss_coef=0.01"]).actor.kl_loss_coef == 0
+    assert load_config(default, [f"{gate}=true", "actor.kl_loss_coef=0.05"]).actor.kl_loss_coef == 0.05

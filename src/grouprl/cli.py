@@ -194,9 +194,9 @@ def describe_rollout(cfg) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     ranks = f"on each of the {world} ranks" if world > 1 else "on every rank (one here; torchrun/Ray: one per rank)"
     where = (
-        f"in an engine process of its own on {r.engine_device or 'the trainer device'} (weights over gloo)"
+        f"in an engine process of its own on {r.engine_device or 'the trainer device'} (weights over its pipe, NCCL between GPUs)"
         if r.engine_process
-        else f"in an engine process of the engine service at {r.engine_address} (weights over torch.distributed)"
+        else f"in an engine process of the engine service at {r.engine_address} (weights over the authenticated connection, NCCL between GPUs)"
         if r.engine_address
         else "on a thread of its own"
     )

@@ -143,11 +143,11 @@ class RolloutConfig:
     async_schedule: Literal["fixed_lag", "newest"] = "fixed_lag"
     """With max_staleness > 0: fixed_lag = step s always trains on the rollout of weights s-k (deterministic: a resumed run repeats an uninterrupted one exactly); newest = each batch starts on the newest weights there are, and an agent's later turns take weights pushed meanwhile (partial rollouts)."""
     engine_process: bool = False
-    """With max_staleness > 0: the engine that generates ahead of the update runs in a process of its own (on engine_device), fed the weights over torch.distributed (gloo) after each update, instead of on a thread of the trainer's process."""
+    """With max_staleness > 0: the engine that generates ahead of the update runs in a process of its own (on engine_device), fed the weights over its pipe (NCCL from one GPU to another) after each update, instead of on a thread of the trainer's process."""
     engine_device: str = ""
     """With engine_process: where the engine process generates (e.g. cuda:1, cpu); empty = the trainer's device. One process: any device; several ranks: the trainer's, or cpu."""
     engine_address: str = ""
-    """With max_staleness > 0: host:port of a `grouprl engine serve` on another machine; each rank's engine process runs there (on one of its --devices) instead of beside the rank, fed the weights over torch.distributed (NCCL between GPUs, gloo otherwise). Both sides need the same secret in GROUPRL_ENGINE_KEY."""
+    """With max_staleness > 0: host:port of a `grouprl engine serve` on another machine; each rank's engine process runs there (on one of its --devices) instead of beside the rank, fed the weights over the connection that proved the key (NCCL between GPUs, its rendezvous over that connection). Both sides need the same secret in GROUPRL_ENGINE_KEY (32 characters or more)."""
     val_temperature: float = 0.0
     """Evaluation sampling temperature (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -1345,10 +1345,8 @@ def apply_override(tree: dict[str, Any], dotted: str) -> None:
     if key.strip().lstrip("+") in NO_EFFECT:  # verl keys grouprl has no use for: said once, not refused
         _logger.warning("verl key '%s' has no effect in grouprl: %s", key.strip().lstrip("+"), NO_EFFECT[key.strip().lstrip("+")])
         return
-    if key.strip().lstrip("+") in GATES:  # verl's switch: closed, the setting behind it is 0
-        if str(_parse_value(text)).lower() in ("false", "0", "no"):
-            apply_override(tree, f"{GATES[key.strip().lstrip('+')][1]}=0")
-        return
+    if key.strip().lstrip("+") in GATES:
+        raise ConfigError(f"verl's gate '{key.strip()}' is read by load_config, after the other overrides")
     if key.strip().lstrip("+") in NEAREST:
         name = key.strip().lstrip("+")
         raise ConfigError(f"verl key '{name}' has no grouprl setting; nearest: {NEAREST[name]} (grouprl convert reports every key of a script)")
@@ -1698,8 +1696,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
         _files_beside(tree, p.resolve().parent)
-    for item in overrides:
+    gates = [item for item in overrides if item.partition("=")[0].strip().lstrip("+") in GATES]
+    rest = [item for item in overrides if item not in gates]
+    for item in rest:
         apply_override(tree, item)
+    named = {item.partition("=")[0].strip().lstrip("+") for item in rest}
+    for item in gates:  # verl's switches, after what they switch: closed, the setting is 0; open, as given or verl's
+        gate, _, text = item.partition("=")
+        behind, ours = GATES[gate.strip().lstrip("+")]
+        if str(_parse_value(text)).lower() in ("false", "0", "no"):
+            apply_override(tree, f"{ours}=0")
+        elif behind not in named and ours not in named:
+            apply_override(tree, f"{ours}={GATE_DEFAULTS[behind]}")
     return from_dict(tree)
 
 

@@ -44,7 +44,9 @@ from grouprl.config import (
 )
 from grouprl.errors import ConfigError
 
-ENTRY_POINTS = re.compile(r"(main_ppo|verl\.trainer\.main|main_generation|vrag|train_grpo)")
+# the trainer's entry point, as a word of the command: `-m verl.trainer.main_ppo`, DAPO's
+# `recipe.dapo.main_dapo`, a `main_ppo.py` script
+ENTRY_POINTS = re.compile(r"(^|[./])main_(ppo|dapo|grpo|ppo_split)(\.py)?$")
 _ASSIGN = re.compile(r"^(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
@@ -117,7 +119,8 @@ def script_arguments(text: str) -> list[str] | None:
             continue
         joined = line.strip()
         assignment = _ASSIGN.match(joined)
-        if assignment and not ENTRY_POINTS.search(joined.split("=", 1)[0]):
+        is_call = any(ENTRY_POINTS.search(w) for w in words)
+        if assignment and not is_call:
             name, raw = assignment.groups()
             raw = raw.strip()
             if raw.startswith("$((") and raw.rstrip(";").endswith("))"):  # arithmetic, spaces and all
@@ -133,14 +136,12 @@ def script_arguments(text: str) -> list[str] | None:
                     parts = [expanded]
                 variables[name] = " ".join(parts) if parts else ""
             continue
-        if any(ENTRY_POINTS.search(w) for w in words):
-            start = next(i for i, w in enumerate(words) if ENTRY_POINTS.search(w))
-            items: list[str] = []
-            for word in shlex.split(_kept_whole(_expand_line(line, variables)), comments=True)[start + 1 :]:
-                word = word.replace("\x00", " ")
-                if "=" in word and not word.startswith("-"):
-                    items.append(word)
-            return items
+        if is_call:  # (an environment prefix, PYTHONUNBUFFERED=1 python3 -m ..., is not an argument)
+            expanded = [w.replace("\x00", " ") for w in shlex.split(_kept_whole(_expand_line(line, variables)), comments=True)]
+            start = next((i for i, w in enumerate(expanded) if ENTRY_POINTS.search(w)), len(expanded))
+            items = [w for w in expanded[start + 1 :] if "=" in w and not w.startswith("-")]
+            if items:
+                return items
     return None
 
 
@@ -331,8 +332,11 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
             if key == "algorithm.adv_estimator" and value not in ("grpo", "rloo", "grpo_batch"):
                 report.not_taken.append((key, value, "nearest: algorithm.adv_estimator=grpo (no critic: grpo, rloo, grpo_batch)"))
                 continue
-            if key == "data.truncation" and "data.filter_overlong_prompts" in given and _truthy(given["data.filter_overlong_prompts"]):
+            if key == "data.truncation" and _truthy(given.get("data.filter_overlong_prompts", False)):
                 report.no_effect.append((key, value, "over-long prompts are filtered out first (data.filter_overlong_prompts)"))
+                continue
+            if key == "data.filter_overlong_prompts" and not _truthy(value) and "data.truncation" in given:
+                report.no_effect.append((key, value, "data.truncation decides (filtering is off)"))
                 continue
             try:
                 put(ours, translated)
@@ -364,10 +368,11 @@ def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[di
         report.notes.append("the input sets no algorithm.adv_estimator: verl's default is gae (a critic), which grouprl "
                             "does not have; grpo is written")  # fmt: skip
     batch = tree.get("data", {}).get("train_batch_size", VERL_DEFAULTS["data.train_batch_size"])
-    if "actor.mini_batch_size" not in written and batch < VERL_DEFAULTS["actor.mini_batch_size"]:
-        put("actor.mini_batch_size", batch)
-        report.notes.append(f"actor.mini_batch_size={batch}: verl's default ppo_mini_batch_size (256) is more than the "
-                            "batch, which verl refuses; one optimizer step a batch")  # fmt: skip
+    mini = _mini_batch_default(batch)
+    if "actor.mini_batch_size" not in written and mini != VERL_DEFAULTS["actor.mini_batch_size"]:
+        put("actor.mini_batch_size", mini)
+        report.notes.append(f"actor.mini_batch_size={mini}: verl's default ppo_mini_batch_size (256) does not divide "
+                            f"the batch of {batch}; the largest that does and is no more than 256")  # fmt: skip
     for ours, value in VERL_DEFAULTS.items():
         if ours not in written:
             put(ours, value)
@@ -398,7 +403,9 @@ def _drop_invalid(tree: dict, report: Report) -> None:
             for part in section.split("."):
                 node = node.get(part, {})
             node.pop(leaf, None)
-            if ours in VERL_DEFAULTS:
+            if ours == "actor.mini_batch_size":  # one that divides the batch
+                apply_override(tree, f"{ours}={_mini_batch_default(tree.get('data', {}).get('train_batch_size', 1024))}")
+            elif ours in VERL_DEFAULTS:
                 apply_override(tree, f"{ours}={_show(VERL_DEFAULTS[ours])}")
 
 
@@ -421,8 +428,12 @@ def _overlong(given: dict, tree: dict, report: Report) -> None:
         report.no_effect.append((keys, found, "the overlong buffer is not enabled"))
         return
     max_length = longest or given.get("data.max_response_length") or VERL_DEFAULTS["rollout.max_response_length"]
-    kwargs = {"max_length": int(max_length), "buffer_len": int(found.get("len", 4096)),
-              "penalty_factor": float(found.get("penalty_factor", 1.0))}  # fmt: skip
+    try:
+        kwargs = {"max_length": int(max_length), "buffer_len": int(found.get("len", 4096)),
+                  "penalty_factor": float(found.get("penalty_factor", 1.0))}  # fmt: skip
+    except (TypeError, ValueError):
+        report.not_taken.append((keys, found, "its values need bash to run the script: set the overlong_penalty component by hand"))
+        return
     tree.setdefault("reward", {})["overlong"] = kwargs
     report.translated.append((keys, found, "reward.components: overlong_penalty", kwargs))
 
@@ -433,14 +444,28 @@ def _dynamic_sampling(given: dict, put, report: Report) -> None:
     enabled = _truthy(given.get("algorithm.filter_groups.enable", False))
     if gen is not None and enabled:
         batch = given.get("data.train_batch_size", VERL_DEFAULTS["data.train_batch_size"])
-        put("curriculum.max_oversample", float(gen) / float(batch))
-        report.translated.append(("data.gen_batch_size", gen, "curriculum.max_oversample", float(gen) / float(batch)))
+        try:
+            ratio = float(gen) / float(batch)
+        except (TypeError, ValueError, ZeroDivisionError):
+            report.not_taken.append(("data.gen_batch_size", gen, "its value needs bash to run the script: set curriculum.max_oversample by hand"))
+        else:
+            put("curriculum.max_oversample", ratio)
+            report.translated.append(("data.gen_batch_size", gen, "curriculum.max_oversample", ratio))
     elif gen is not None:
         report.no_effect.append(("data.gen_batch_size", gen, "algorithm.filter_groups.enable is false"))
     if enabled:
         put("data.sampler", "curriculum")
         report.notes.append("dynamic sampling (filter_groups) runs on grouprl's curriculum sampler, which draws prompts "
                             "by difficulty bucket rather than uniformly as verl does")  # fmt: skip
+
+
+def _mini_batch_default(batch: Any) -> int:
+    """verl's default mini-batch (256 prompts), or the largest divisor of the batch below it."""
+    try:
+        batch = int(batch)
+    except (TypeError, ValueError):
+        return VERL_DEFAULTS["actor.mini_batch_size"]
+    return next(m for m in range(min(batch, VERL_DEFAULTS["actor.mini_batch_size"]), 0, -1) if batch % m == 0)
 
 
 def _truthy(value: Any) -> bool:

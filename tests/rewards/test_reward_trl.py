@@ -98,7 +98,7 @@ def test_trl_rewards_score_as_written_once_a_group(tmp_path, trl_file, conversat
         "accuracy", ["completion_ids", "data_source", "ground_truth", "level", "prompts"]
     )
     report = composite.failure_report()
-    assert report["component:acc"].failures == 0 and report["component:acc"].calls == 6
+    assert report["component:acc"].failures == 0 and report["component:acc"].calls == 3  # one call a group
 
 
 def test_a_trl_reward_that_returns_the_wrong_count_fails_every_completion(trl_file):
@@ -114,6 +114,7 @@ def test_a_trl_reward_that_returns_the_wrong_count_fails_every_completion(trl_fi
     metrics = composite.score(trajectories)
     assert metrics["reward/errors/short"] == 3.0 and metrics["reward/errors/boom"] == 3.0
     report = composite.failure_report()
+    assert (report["component:short"].calls, report["component:short"].failures) == (1, 1)  # one call, not 3
     assert report["component:short"].error == (
         "ValueError: returned 1 values for 3 completions (a TRL-style reward returns one value per completion)"
     )

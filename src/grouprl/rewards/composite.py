@@ -453,6 +453,7 @@ class CompositeReward:
         # values[t][c]: the raw value, a _Failure, _GATED, or a JudgeResult, until _finish.
         values: list[list[Any]] = [[None] * len(self.components) for _ in trajectories]
         contexts = [_context(t) for t in trajectories]
+        batched_calls: dict[str, list[str | None]] = {}  # a TRL-style component's calls: one a batch
         for stage in self._stages:
             pending: list[tuple[int, int, Awaitable[Any]]] = []
             batches: dict[int, list[int]] = {}  # TRL-style components: their trajectories, called once
@@ -482,8 +483,10 @@ class CompositeReward:
                     if inspect.isawaitable(result):
                         result = await result
                     batch_values = _per_completion(result, len(rows))
-                except Exception as e:  # the function's fault: every completion of the call fails
+                    batched_calls.setdefault(component.name, []).append(None)
+                except Exception as e:  # the function's fault: every completion of the call fails (one failed call)
                     batch_values = [_Failure(f"{type(e).__name__}: {e}")] * len(rows)
+                    batched_calls.setdefault(component.name, []).append(batch_values[0].message)
                 for t, value in zip(rows, batch_values):
                     values[t][c] = value
             if pending:
@@ -494,10 +497,12 @@ class CompositeReward:
                         if isinstance(result, BaseException)
                         else result
                     )
-        return self._finish(trajectories, values)
+        return self._finish(trajectories, values, batched_calls)
 
     # -- steps -------------------------------------------------------------------------
-    def _finish(self, trajectories: list[Trajectory], values: list[list[Any]]) -> dict[str, float]:
+    def _finish(
+        self, trajectories: list[Trajectory], values: list[list[Any]], batched_calls: dict | None = None
+    ) -> dict[str, float]:
         errors = {component.name: 0 for component in self.components}
         gated = {c.name: 0 for c in self.components if c.gate}
         not_applicable = {c.name: 0 for c in self.components if c.batched}
@@ -509,7 +514,8 @@ class CompositeReward:
             if isinstance(c.fn, JudgeComponent):
                 judge_fields.update(getattr(getattr(c.fn.judge, "cfg", None), "fields", None) or {"score": 1.0})
         formatted = 0  # responses carrying judge-format text
-        called: dict[str, list[str | None]] = {}  # a non-judge component's calls: None or the problem
+        # a non-judge component's calls: None or the problem (a TRL-style one's: one a batch, from ascore)
+        called: dict[str, list[str | None]] = {name: list(calls) for name, calls in (batched_calls or {}).items()}
         for trajectory, row in zip(trajectories, values):
             if judge_fields and looks_like_verdict(trajectory.response_text, judge_fields):
                 formatted += 1
@@ -520,9 +526,8 @@ class CompositeReward:
                     value = 0.0
                 elif value is _NOT_APPLICABLE:  # a TRL-style reward's None: no value, no error
                     not_applicable[component.name] += 1
-                    called.setdefault(component.name, []).append(None)
                     value = 0.0
-                elif not isinstance(value, JudgeResult):
+                elif not isinstance(value, JudgeResult) and not component.batched:
                     called.setdefault(component.name, []).append(
                         value.message if isinstance(value, _Failure) else _problem_with(value)
                     )

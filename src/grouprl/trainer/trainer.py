@@ -130,6 +130,9 @@ class Trainer:
         ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
         with self._parked_present():  # loaded where they live during the update
             state = CheckpointManager.load(path, self.policy, self.optimizer, self.scheduler, ref_model=ref)
+        if not self.ranks.distributed:  # torch loads an optimizer's state onto its parameters' device
+            self.parts.optimizer_parked.where = "device"
+            self.parts.optimizer_parked.out()
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -158,8 +161,12 @@ class Trainer:
 
     @contextlib.contextmanager
     def _parked_present(self):
-        """The reference and the optimizer state on the device inside (they live in host memory
-        between their uses with actor.reference_offload / optimizer_offload)."""
+        """For a sharded save or load: the reference and the optimizer state on the device inside
+        (they live in host memory between their uses with actor.reference_offload /
+        optimizer_offload). One process saves them from host memory as they are."""
+        if not self.ranks.distributed:
+            yield
+            return
         with self.parts.reference_parked.present(), self.parts.optimizer_parked.present():
             yield
 

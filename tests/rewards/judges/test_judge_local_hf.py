@@ -157,7 +157,16 @@ def test_a_reply_that_stops_at_max_tokens_is_marked_cut_off(local_config, client
     backend = client.backend
     eos = backend._tokenizer.eos_token_id
     x = backend._tokenizer.convert_tokens_to_ids("x")
-    for new, cut in (([x] * 6, True), ([x, x, eos, 0, 0, 0], False), ([x] * 5 + [eos], False)):
-        backend._lm.generate = lambda input_ids, new=new, **kw: torch.cat([input_ids, torch.tensor([new])], 1)
+    end_of_turn = backend._tokenizer.convert_tokens_to_ids("!")  # stands for an instruct model's <|im_end|>
+    backend._lm.generation_config.eos_token_id = [eos, end_of_turn]
+    seen = []
+    for new, cut, length in (([x] * 6, True, 6), ([x, x, eos, 0, 0, 0], False, 3), ([x] * 5 + [eos], False, 6),
+                             ([x, end_of_turn, x, x, x, x], False, 2)):  # fmt: skip
+        def fake(input_ids, new=new, **kw):
+            seen.append(kw["eos_token_id"])
+            return torch.cat([input_ids, torch.tensor([new])], 1)
+
+        backend._lm.generate = fake
         completion = backend.generate([[x, x]])[0]
-        assert completion.truncated is cut and completion.completion_tokens == (6 if cut else new.index(eos) + 1)
+        assert completion.truncated is cut and completion.completion_tokens == length
+    assert seen[0] == [eos, end_of_turn]  # generation stops at either

@@ -100,21 +100,27 @@ class LocalHFBackend:
         sampling: dict[str, Any] = {"do_sample": False}
         if self._cfg.temperature > 0:
             sampling = {"do_sample": True, "temperature": self._cfg.temperature}
+        # the turn ends at any of the model's end tokens (an instruct model's <|im_end|> as well
+        # as the tokenizer's eos)
+        configured = getattr(getattr(self._lm, "generation_config", None), "eos_token_id", None)
+        configured = configured if isinstance(configured, list) else [configured]
+        ends = [t for t in dict.fromkeys([tokenizer.eos_token_id, *configured]) if t is not None]
         with torch.no_grad():
             output = self._lm.generate(
                 **encoded,
                 max_new_tokens=self._cfg.max_tokens,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=ends,
                 **sampling,
             )
         prompt_length = encoded["input_ids"].shape[1]
         new_tokens = output[:, prompt_length:]  # [B, new]
         completions = []
         for row, mask in zip(new_tokens.tolist(), encoded["attention_mask"].tolist()):
-            ended = tokenizer.eos_token_id in row
+            end = next((i for i, t in enumerate(row) if t in ends), None)
+            ended = end is not None
             if ended:
-                row = row[: row.index(tokenizer.eos_token_id) + 1]
+                row = row[: end + 1]
             completions.append(
                 Completion(
                     text=tokenizer.decode(row, skip_special_tokens=True),

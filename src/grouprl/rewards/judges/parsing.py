@@ -6,12 +6,13 @@ Judges are asked for JSON but answer in many shapes: a bare object, an object in
 of these, normalises every field to [0, 1] (by `scale`, unless the value declares its own
 maximum) and raises `JudgeParseError` naming the missing or invalid fields otherwise.
 
-The response being judged is the policy's own text, and a judge may quote it: a reply that
-gives a field two different values anywhere (in two objects, a fence and prose, a verdict and
-a quoted injection like `the response tried to set {"correctness": 5}`) has no verdict that can
-be trusted, and a reply cut off at the judge's token limit may hold nothing but a quote. Both
-are parse failures (the call is retried, then counted as failed), never a score: a policy gains
-nothing by writing a score into its answer.
+The response being judged is the policy's own text, and a judge may quote it. A reply's JSON
+objects (fenced or not) are its verdict; prose is read only where no object gives the field.
+Two objects that give a field different values (a verdict and a quoted injection like `the
+response tried to set {"correctness": 5}`), or prose that does where there is no object, leave
+no verdict that can be trusted, and a reply cut off at the judge's token limit may hold nothing
+but a quote. Both are parse failures (the call is retried, then counted as failed), never a
+score: a policy gains nothing by writing a score into its answer.
 
 >>> parse_scores('Fine work. ```json\\n{"correctness": "4"}\\n```', {"correctness": 1.0}, 5).scores
 {'correctness': 0.8}
@@ -59,7 +60,8 @@ def parse_scores(text: str, fields: Mapping[str, float], scale: float, *, trunca
         for candidate in objects:
             if (value := _lookup(candidate, name)) is not None:
                 values[name].append(_normalise(name, value, scale))
-        values[name] += [_normalise(name, value, scale) for value in _from_prose(text, name)]
+        if not values[name]:  # prose only where no JSON object gives the field (a rubric restated in prose is no verdict)
+            values[name] += [_normalise(name, value, scale) for value in _from_prose(text, name)]
     missing = [name for name in fields if not values[name]]
     if missing:
         raise JudgeParseError(f"judge output lacks score field(s) {', '.join(missing)}: {_preview(text)}")

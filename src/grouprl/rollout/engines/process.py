@@ -162,8 +162,13 @@ def form_group(conn, rank: int, backend: str, device: torch.device, host: str = 
     store = ConnectionStore(conn, host=rank == 0, timeout_s=WEIGHTS_TIMEOUT_S)
     if rank == 0:
         store.serve()
-    group = _group(store, rank, WEIGHTS_TIMEOUT_S, backend, host)
-    _broadcast(group, torch.zeros(1, device=device))
+    try:
+        group = _group(store, rank, WEIGHTS_TIMEOUT_S, backend, host)
+        _broadcast(group, torch.zeros(1, device=device))
+    except Exception as e:  # the other side's failure (the host's store knows it), else the group's own
+        if store.failed:
+            raise EngineProcessError(store.failed) from None
+        raise EngineProcessError(f"the weights' group ({backend}) did not form: {e}".splitlines()[0]) from None
     store.formed()
     return group, store
 

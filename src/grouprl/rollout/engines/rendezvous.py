@@ -32,8 +32,10 @@ class ConnectionStore(dist.Store):
         self.keys: dict[str, bytes] = {}
         self.changed = threading.Condition()
         self.live = True
+        self.failed = ""  # host side: why the other side stopped while the group formed
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._thread: threading.Thread | None = None
+        self._asking = threading.Lock()  # other side: one request on the connection at a time
 
     # ------------------------------------------------------------------ host side
     def serve(self) -> None:
@@ -46,8 +48,14 @@ class ConnectionStore(dist.Store):
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
+                self._fail("the engine process ended while the weights' group formed")
                 return
             if message == DONE:
+                return
+            if not (isinstance(message, tuple) and len(message) == 3 and message[0] == "store"):
+                # the engine's error while forming (its ("error", name, text, trace)), or anything else
+                text = message[2] if isinstance(message, tuple) and len(message) >= 3 else repr(message)[:200]
+                self._fail(f"the engine process failed while the weights' group formed: {text}")
                 return
             _, op, args = message
             try:
@@ -55,24 +63,33 @@ class ConnectionStore(dist.Store):
             except Exception as e:  # noqa: BLE001 - the asking side raises it
                 self.conn.send(("store-error", f"{type(e).__name__}: {e}"))
 
+    def _fail(self, why: str) -> None:
+        with self.changed:
+            self.failed = why
+            self.changed.notify_all()
+
     def formed(self) -> None:
         """The group has formed: the other side says so (its side), or its DONE is awaited (the
         host's); no call goes over the connection after this."""
         if self.host:
             if self._thread is not None:
                 self._thread.join()
-        elif self.live:
-            self.conn.send(DONE)
-        self.live = False
+            self.live = False
+            return
+        with self._asking:  # after a request in flight; none after DONE
+            if self.live:
+                self.live = False
+                self.conn.send(DONE)
 
     # ------------------------------------------------------------------ the Store interface
     def _call(self, op: str, *args):
         if self.host:
             return getattr(self, "_" + op)(*args)
-        if not self.live:  # formed: only the monitoring threads' checks come late
-            return {"get": None, "check": False, "num_keys": 0, "add": 0, "delete_key": False}.get(op)
-        self.conn.send(("store", op, args))
-        kind, value = self.conn.recv()
+        with self._asking:  # the main thread's get and a monitoring thread's check do not interleave
+            if not self.live:  # formed: only the monitoring threads' checks come late
+                return {"get": None, "check": False, "num_keys": 0, "add": 0, "delete_key": False}.get(op)
+            self.conn.send(("store", op, args))
+            kind, value = self.conn.recv()
         if kind == "store-error":
             raise RuntimeError(value)
         return value
@@ -121,6 +138,8 @@ class ConnectionStore(dist.Store):
         deadline = time.monotonic() + (self._timeout.total_seconds() if timeout_s is None else timeout_s)
         with self.changed:
             while not all(k in self.keys for k in keys):
+                if self.failed:
+                    raise RuntimeError(self.failed)
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.live:
                     raise RuntimeError(f"rendezvous keys {keys} did not come (timeout)")

@@ -196,7 +196,7 @@ class EngineService:
             log.warning("refused %s: it does not hold the key (%s)", peer, e)
             conn.close()
             return None
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - a broken or foreign hello (after the key), a reset, the deadline
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             log.warning("dropped %s before its hello (%s; %d s for the whole handshake)", peer, why, HANDSHAKE_TIMEOUT_S)
             conn.close()
