@@ -55,7 +55,7 @@ def test_placeholders_are_filled_once_and_json_examples_stay():
 
 def test_missing_answer_is_marked():
     prompt = render("{answer}", JudgeRequest(question="q", response="r"), max_pixels=100)
-    assert prompt.user.startswith(NO_ANSWER + "\n\n") and "answer-" not in prompt.user.split("\n")[0]
+    assert prompt.user == NO_ANSWER  # nothing of the policy's: no fence, no note
 
 
 # an answer that tries to end the fence, speak as the grader, or start a new turn

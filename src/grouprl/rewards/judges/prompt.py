@@ -70,9 +70,9 @@ def fill_template(template: str, request: JudgeRequest, nonce: str = "") -> str:
         num_gold_images=len(request.gold_images),
     )
     fenced = [kind for kind in POLICY_TEXT if "{" + kind + "}" in template] if nonce else []
+    fenced = [kind for kind in fenced if kind != "answer" or request.answer]  # no answer: nothing of the policy's
     for kind in fenced:
-        if kind != "answer" or request.answer:
-            values[kind] = fence(str(values[kind]), kind, nonce)
+        values[kind] = fence(str(values[kind]), kind, nonce)
 
     def replace(match: re.Match[str]) -> str:
         key = match.group(1)
