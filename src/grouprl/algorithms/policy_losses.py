@@ -20,6 +20,12 @@ PPO_LOG_RATIO_BOUND = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 
+def token_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-ratio clamped to +-20, its exp) per token [N, T]: PPO's, CISPO's and SAPO's ratio."""
+    log_ratio = torch.clamp(log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND)
+    return log_ratio, torch.exp(log_ratio)
+
+
 def ppo_token_losses(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -46,10 +52,7 @@ def ppo_token_losses(
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1.0 (or None to disable it), got {dual_clip}")
 
-    log_ratio = torch.clamp(
-        log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND
-    )  # [N, T]
-    ratio = torch.exp(log_ratio)  # [N, T]
+    log_ratio, ratio = token_ratio(log_probs, old_log_probs)  # [N, T]
     unclipped = -advantages * ratio  # [N, T]
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     clip_losses = torch.maximum(unclipped, clipped)  # [N, T]
@@ -138,8 +141,7 @@ def cispo_token_losses(
     metrics: clipfrac = mean_t [clip(r_t) != r_t]; clipfrac_lower = 0; ppo_kl = mean_t (old_lp - lp), clamped.
     """
     del dual_clip
-    log_ratio = torch.clamp(log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)  # [N, T]
+    log_ratio, ratio = token_ratio(log_probs, old_log_probs)  # [N, T]
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     pg_losses = -clipped.detach() * advantages * log_probs  # [N, T]
     with torch.no_grad():
@@ -175,8 +177,7 @@ def sapo_token_losses(
     metrics: clipfrac = clipfrac_lower = 0; ppo_kl = mean_t (old_lp - lp), clamped.
     """
     del clip_low, clip_high, dual_clip
-    log_ratio = torch.clamp(log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)  # [N, T]
+    log_ratio, ratio = token_ratio(log_probs, old_log_probs)  # [N, T]
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # [N, T]
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [N, T]
     pg_losses = -gates * advantages  # [N, T]
