@@ -260,126 +260,148 @@ def _parameter(inner: str, variables: dict, whole: str) -> str:
 def convert(items: list[str], data_sources: list[str] | None = None) -> tuple[dict, Report]:
     """The grouprl config tree for verl `items` (key=value) and the report. `data_sources`: the
     training data's data_source values (to choose verl's default scorer), where known."""
-    report = Report()
-    given: dict[str, Any] = {}
-    for item in items:
-        key, _, text = item.partition("=")
-        key = key.strip().lstrip("+")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text
-        given[key] = value
-    tree: dict[str, Any] = {}
-    written: set[str] = set()
+    c = _Conversion(items)
+    c.group_size()
+    c.gates()
+    _overlong(c.given, c.tree, c.report)
+    _dynamic_sampling(c.given, c.put, c.report)
+    c.special_keys()
+    for key, value in list(c.given.items()):
+        c.translate(key, value)
+    c.defaults()
+    _reward(c.tree, c.report, data_sources)
+    _drop_invalid(c.tree, c.report)
+    return c.tree, c.report
 
-    def put(ours: str, value: Any) -> None:
-        apply_override(tree, f"{ours}={_show(value)}")
-        written.add(ours)
 
-    # VRAG: rollout.n is samples per call and n_agent the group; verl: rollout.n is the group
-    n, n_agent = given.pop("actor_rollout_ref.rollout.n", None), given.get("actor_rollout_ref.rollout.n_agent")
-    if n is not None and n_agent is not None:
-        report.no_effect.append(("actor_rollout_ref.rollout.n", n, f"VRAG's group size is rollout.n_agent={n_agent}"))
-    elif n is not None:
-        given["actor_rollout_ref.rollout.n"] = n
-    named = {i.partition("=")[0].strip().lstrip("+") for i in items}
-    gates = {g: given.pop(g, GATE_DEFAULTS[g]) for g in GATES}
-    for gate, (behind, ours) in GATES.items():
-        value = given.pop(behind, GATE_DEFAULTS[behind])
-        if _truthy(gates[gate]):
-            put(ours, value)
-            report.translated.append((f"{gate}=true, {behind}", value, ours, value))
-        else:
-            put(ours, 0)
-            if behind in named:
-                report.no_effect.append((behind, value, f"{gate} is false (verl's gate): {ours}=0"))
-            elif gate in named:
-                report.translated.append((gate, gates[gate], ours, 0))
-    _overlong(given, tree, report)
-    _dynamic_sampling(given, put, report)
-    for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"):
-        if given.get(key) == 1:
-            report.no_effect.append((key, given.pop(key), "1: no sequence parallelism, as grouprl"))
-    if str(given.get("actor_rollout_ref.rollout.val_kwargs.do_sample", "")).lower() == "false":
-        report.translated.append(("actor_rollout_ref.rollout.val_kwargs.do_sample", given.pop("actor_rollout_ref.rollout.val_kwargs.do_sample"),
-                                  "rollout.val_temperature", 0.0))  # fmt: skip
-        given["actor_rollout_ref.rollout.val_kwargs.temperature"] = 0.0
-    elif "actor_rollout_ref.rollout.val_kwargs.do_sample" in given:
-        report.no_effect.append(("actor_rollout_ref.rollout.val_kwargs.do_sample", given.pop("actor_rollout_ref.rollout.val_kwargs.do_sample"),
-                                 "evaluation samples at rollout.val_temperature (val_kwargs.temperature)"))  # fmt: skip
-    clip = given.pop("actor_rollout_ref.actor.clip_ratio", None)
-    if clip is not None:
-        for side in ("low", "high"):
-            given.setdefault(f"actor_rollout_ref.actor.clip_ratio_{side}", clip)
-    for key, value in list(given.items()):
+class _Conversion:
+    """One input's keys (`given`), the tree written so far and the report."""
+
+    def __init__(self, items: list[str]):
+        self.report, self.tree, self.written = Report(), {}, set()
+        self.named = {i.partition("=")[0].strip().lstrip("+") for i in items}
+        self.given: dict[str, Any] = {}
+        for item in items:
+            key, _, text = item.partition("=")
+            try:
+                value = yaml.safe_load(text) if text.strip() else ""
+            except yaml.YAMLError:
+                value = text
+            self.given[key.strip().lstrip("+")] = value
+
+    def put(self, ours: str, value: Any) -> None:
+        apply_override(self.tree, f"{ours}={_show(value)}")
+        self.written.add(ours)
+
+    def group_size(self) -> None:
+        """VRAG: rollout.n is samples per call and n_agent the group; verl: rollout.n is the group."""
+        given = self.given
+        n, n_agent = given.pop("actor_rollout_ref.rollout.n", None), given.get("actor_rollout_ref.rollout.n_agent")
+        if n is not None and n_agent is not None:
+            self.report.no_effect.append(("actor_rollout_ref.rollout.n", n, f"VRAG's group size is rollout.n_agent={n_agent}"))
+        elif n is not None:
+            given["actor_rollout_ref.rollout.n"] = n
+
+    def gates(self) -> None:
+        """verl's switches and the settings behind them (closed: the setting is 0)."""
+        gates = {g: self.given.pop(g, GATE_DEFAULTS[g]) for g in GATES}
+        for gate, (behind, ours) in GATES.items():
+            value = self.given.pop(behind, GATE_DEFAULTS[behind])
+            if _truthy(gates[gate]):
+                self.put(ours, value)
+                self.report.translated.append((f"{gate}=true, {behind}", value, ours, value))
+                continue
+            self.put(ours, 0)
+            if behind in self.named:
+                self.report.no_effect.append((behind, value, f"{gate} is false (verl's gate): {ours}=0"))
+            elif gate in self.named:
+                self.report.translated.append((gate, gates[gate], ours, 0))
+
+    def special_keys(self) -> None:
+        """Keys whose meaning depends on their value or on another key."""
+        given, report = self.given, self.report
+        for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.ref.ulysses_sequence_parallel_size"):
+            if given.get(key) == 1:
+                report.no_effect.append((key, given.pop(key), "1: no sequence parallelism, as grouprl"))
+        sample = "actor_rollout_ref.rollout.val_kwargs.do_sample"
+        if str(given.get(sample, "")).lower() == "false":
+            report.translated.append((sample, given.pop(sample), "rollout.val_temperature", 0.0))
+            given["actor_rollout_ref.rollout.val_kwargs.temperature"] = 0.0
+        elif sample in given:
+            report.no_effect.append((sample, given.pop(sample), "evaluation samples at rollout.val_temperature (val_kwargs.temperature)"))
+        clip = given.pop("actor_rollout_ref.actor.clip_ratio", None)
+        if clip is not None:
+            for side in ("low", "high"):
+                given.setdefault(f"actor_rollout_ref.actor.clip_ratio_{side}", clip)
+
+    def translate(self, key: str, value: Any) -> None:
+        """One key: translated, no effect, or not taken (each reported)."""
+        report = self.report
         if isinstance(value, str) and ("$(" in value or re.search(r"\$\{?[0-9A-Za-z_]", value)):
             report.not_taken.append((key, value, "its value needs bash to run the script ($(...) or an argument): set it by hand"))
-            continue
-        if key in VERL_KEYS:
-            ours = VERL_KEYS[key]
-            try:
-                translated = translate_value(key, value)
-                if key in ("trainer.save_freq", "trainer.test_freq") and isinstance(value, int) and value < 0:
-                    translated = 0  # verl's -1: never (grouprl's 0: at the end only)
-            except ValueError as e:
-                report.not_taken.append((key, value, f"cannot translate {e}"))
-                continue
-            if key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and translated not in (1, None):
-                report.not_taken.append((key, value, "nearest: rollout.tensor_parallel_size=1 (each rank's vLLM holds the "
-                                                     "whole model on its GPU; the memory plan says whether it fits)"))  # fmt: skip
-                continue
-            if key == "algorithm.adv_estimator" and value not in ("grpo", "rloo", "grpo_batch"):
-                report.not_taken.append((key, value, "nearest: algorithm.adv_estimator=grpo (no critic: grpo, rloo, grpo_batch)"))
-                continue
-            if key == "data.truncation" and _truthy(given.get("data.filter_overlong_prompts", False)):
-                report.no_effect.append((key, value, "over-long prompts are filtered out first (data.filter_overlong_prompts)"))
-                continue
-            if key == "data.filter_overlong_prompts" and not _truthy(value) and "data.truncation" in given:
-                report.no_effect.append((key, value, "data.truncation decides (filtering is off)"))
-                continue
-            try:
-                put(ours, translated)
-            except ConfigError as e:  # a value grouprl's setting does not take
-                report.not_taken.append((key, value, str(e)))
-                continue
-            report.translated.append((key, value, ours, translated))
-            if value == "sglang":
-                report.notes.append("rollout.engine: vllm in place of sglang (grouprl's serving engine)")
-            if key == "actor_rollout_ref.rollout.multi_turn.enable" and _truthy(value):
-                report.notes.append("agent.enabled: grouprl's agent speaks its own protocol (<search>, <bbox>, "
-                                    "<search_complete>) rather than verl's tool calls; see README, Search agent")  # fmt: skip
+        elif key in VERL_KEYS:
+            self.translate_verl(key, value)
         elif key in NO_EFFECT or key.startswith("actor_rollout_ref.rollout.engine_kwargs."):
             report.no_effect.append((key, value, NO_EFFECT.get(key, "vLLM's engine keyword arguments are vLLM's defaults")))
         elif key in NEAREST:
             report.not_taken.append((key, value, f"nearest: {NEAREST[key]}"))
         elif _ours(key):
-            try:
-                put(key, value)
-            except ConfigError as e:
-                report.not_taken.append((key, value, str(e)))
-                continue
-            report.translated.append((key, value, key, value))
+            self.write(key, value, key, value)
         else:
             near = difflib.get_close_matches(key, [*VERL_KEYS, *NO_EFFECT, *NEAREST], n=1, cutoff=0.6)
             hint = f"did you mean {near[0]}?" if near else "nothing in grouprl (see grouprl train --explain)"
             report.not_taken.append((key, value, hint))
-    if "algorithm.adv_estimator" not in given:
-        report.notes.append("the input sets no algorithm.adv_estimator: verl's default is gae (a critic), which grouprl "
-                            "does not have; grpo is written")  # fmt: skip
-    batch = tree.get("data", {}).get("train_batch_size", VERL_DEFAULTS["data.train_batch_size"])
-    mini = _mini_batch_default(batch)
-    if "actor.mini_batch_size" not in written and mini != VERL_DEFAULTS["actor.mini_batch_size"]:
-        put("actor.mini_batch_size", mini)
-        report.notes.append(f"actor.mini_batch_size={mini}: verl's default ppo_mini_batch_size (256) does not divide "
-                            f"the batch of {batch}; the largest that does and is no more than 256")  # fmt: skip
-    for ours, value in VERL_DEFAULTS.items():
-        if ours not in written:
-            put(ours, value)
-            report.defaults.append((ours, value))
-    _reward(tree, report, data_sources)
-    _drop_invalid(tree, report)
-    return tree, report
+
+    def translate_verl(self, key: str, value: Any) -> None:
+        report, given = self.report, self.given
+        try:
+            translated = translate_value(key, value)
+            if key in ("trainer.save_freq", "trainer.test_freq") and isinstance(value, int) and value < 0:
+                translated = 0  # verl's -1: never (grouprl's 0: at the end only)
+        except ValueError as e:
+            report.not_taken.append((key, value, f"cannot translate {e}"))
+            return
+        if key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and translated not in (1, None):
+            report.not_taken.append((key, value, "nearest: rollout.tensor_parallel_size=1 (each rank's vLLM holds the "
+                                                 "whole model on its GPU; the memory plan says whether it fits)"))  # fmt: skip
+        elif key == "algorithm.adv_estimator" and value not in ("grpo", "rloo", "grpo_batch"):
+            report.not_taken.append((key, value, "nearest: algorithm.adv_estimator=grpo (no critic: grpo, rloo, grpo_batch)"))
+        elif key == "data.truncation" and _truthy(given.get("data.filter_overlong_prompts", False)):
+            report.no_effect.append((key, value, "over-long prompts are filtered out first (data.filter_overlong_prompts)"))
+        elif key == "data.filter_overlong_prompts" and not _truthy(value) and "data.truncation" in given:
+            report.no_effect.append((key, value, "data.truncation decides (filtering is off)"))
+        elif self.write(key, value, VERL_KEYS[key], translated):
+            if value == "sglang":
+                report.notes.append("rollout.engine: vllm in place of sglang (grouprl's serving engine)")
+            if key == "actor_rollout_ref.rollout.multi_turn.enable" and _truthy(value):
+                report.notes.append("agent.enabled: grouprl's agent speaks its own protocol (<search>, <bbox>, "
+                                    "<search_complete>) rather than verl's tool calls; see README, Search agent")  # fmt: skip
+
+    def write(self, key: str, value: Any, ours: str, translated: Any) -> bool:
+        """`ours` = `translated`, reported; a value the setting refuses is reported as not taken."""
+        try:
+            self.put(ours, translated)
+        except ConfigError as e:
+            self.report.not_taken.append((key, value, str(e)))
+            return False
+        self.report.translated.append((key, value, ours, translated))
+        return True
+
+    def defaults(self) -> None:
+        """verl's defaults for every setting the input leaves out."""
+        if "algorithm.adv_estimator" not in self.given:
+            self.report.notes.append("the input sets no algorithm.adv_estimator: verl's default is gae (a critic), which "
+                                     "grouprl does not have; grpo is written")  # fmt: skip
+        batch = self.tree.get("data", {}).get("train_batch_size", VERL_DEFAULTS["data.train_batch_size"])
+        mini = _mini_batch_default(batch)
+        if "actor.mini_batch_size" not in self.written and mini != VERL_DEFAULTS["actor.mini_batch_size"]:
+            self.put("actor.mini_batch_size", mini)
+            self.report.notes.append(f"actor.mini_batch_size={mini}: verl's default ppo_mini_batch_size (256) does not "
+                                     f"divide the batch of {batch}; the largest that does and is no more than 256")  # fmt: skip
+        for ours, value in VERL_DEFAULTS.items():
+            if ours not in self.written:
+                self.put(ours, value)
+                self.report.defaults.append((ours, value))
 
 
 def _drop_invalid(tree: dict, report: Report) -> None:
