@@ -20,6 +20,20 @@ PPO_LOG_RATIO_BOUND = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 
+def clip_metrics(
+    log_ratio: torch.Tensor, loss_mask: torch.Tensor, clipped: torch.Tensor | None, lower: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Every loss's metrics, detached masked means over valid tokens: clipfrac (`clipped`),
+    clipfrac_lower (`lower`), ppo_kl = mean_t (old_lp - lp) from `log_ratio`; None is 0."""
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+
+        def share(flags):
+            return zero if flags is None else masked_mean(flags.to(log_ratio.dtype), loss_mask)
+
+        return {"clipfrac": share(clipped), "clipfrac_lower": share(lower), "ppo_kl": masked_mean(-log_ratio, loss_mask)}
+
+
 def token_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-ratio clamped to +-20, its exp) per token [N, T]: PPO's, CISPO's and SAPO's ratio."""
     log_ratio = torch.clamp(log_probs - old_log_probs, min=-PPO_LOG_RATIO_BOUND, max=PPO_LOG_RATIO_BOUND)
@@ -66,13 +80,7 @@ def ppo_token_losses(
         pg_losses = torch.where(negative_adv, torch.minimum(clip_losses, dual_bound), clip_losses)
         dual_clipped = negative_adv & (clip_losses > dual_bound)
 
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), loss_mask),
-            "clipfrac_lower": masked_mean(dual_clipped.to(log_probs.dtype), loss_mask),
-            "ppo_kl": masked_mean(-log_ratio, loss_mask),
-        }
-    return pg_losses, metrics
+    return pg_losses, clip_metrics(log_ratio, loss_mask, clipped > unclipped, dual_clipped)
 
 
 def gspo_token_losses(
@@ -113,13 +121,7 @@ def gspo_token_losses(
     clipped = -advantages * torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     pg_losses = torch.maximum(unclipped, clipped)  # [N, T]
 
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((clipped > unclipped).to(log_probs.dtype), loss_mask),
-            "clipfrac_lower": torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
-            "ppo_kl": masked_mean(-log_ratio, loss_mask),
-        }
-    return pg_losses, metrics
+    return pg_losses, clip_metrics(log_ratio, loss_mask, clipped > unclipped, None)
 
 
 def cispo_token_losses(
@@ -144,13 +146,7 @@ def cispo_token_losses(
     log_ratio, ratio = token_ratio(log_probs, old_log_probs)  # [N, T]
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     pg_losses = -clipped.detach() * advantages * log_probs  # [N, T]
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((ratio != clipped).to(log_probs.dtype), loss_mask),
-            "clipfrac_lower": torch.zeros((), dtype=log_probs.dtype, device=log_probs.device),
-            "ppo_kl": masked_mean(-log_ratio, loss_mask),
-        }
-    return pg_losses, metrics
+    return pg_losses, clip_metrics(log_ratio, loss_mask, ratio != clipped, None)
 
 
 def sapo_token_losses(
@@ -181,10 +177,7 @@ def sapo_token_losses(
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))  # [N, T]
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [N, T]
     pg_losses = -gates * advantages  # [N, T]
-    with torch.no_grad():
-        zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-        metrics = {"clipfrac": zero, "clipfrac_lower": zero, "ppo_kl": masked_mean(-log_ratio, loss_mask)}
-    return pg_losses, metrics
+    return pg_losses, clip_metrics(log_ratio, loss_mask, None, None)
 
 
 def gmpo_token_losses(
@@ -224,11 +217,5 @@ def gmpo_token_losses(
     seq_advantage = (advantages.expand_as(log_ratio) * mask).sum(dim=-1) / (count + 1e-8)  # [N]
     seq_losses = -seq_advantage * seq_ratio  # [N]
     pg_losses = seq_losses.unsqueeze(-1).expand_as(log_ratio)  # [N, T]
-    with torch.no_grad():
-        clipped = clamped != log_ratio
-        metrics = {
-            "clipfrac": masked_mean((clipped & (sign > 0)).to(log_probs.dtype), loss_mask),
-            "clipfrac_lower": masked_mean((clipped & (sign < 0)).to(log_probs.dtype), loss_mask),
-            "ppo_kl": masked_mean(-log_ratio, loss_mask),
-        }
-    return pg_losses, metrics
+    clipped = clamped != log_ratio
+    return pg_losses, clip_metrics(log_ratio, loss_mask, clipped & (sign > 0), clipped & (sign < 0))
