@@ -163,16 +163,21 @@ def judge_and_lower(tmp_path, server) -> list[str]:
     ]
 
 
-def down_after_the_next_step(trainer, down: threading.Event) -> None:
-    """The judge stops answering once the trainer's next step is done."""
+def after_the_next_step(trainer, then) -> None:
+    """`then()` runs once the trainer's next step is done (a judge goes down, a reward breaks)."""
     step = trainer.train_step
 
-    def step_then_the_judge_goes_down():
+    def step_then():
         out = step()
-        down.set()
+        then()
         return out
 
-    trainer.train_step = step_then_the_judge_goes_down
+    trainer.train_step = step_then
+
+
+def down_after_the_next_step(trainer, down: threading.Event) -> None:
+    """The judge stops answering once the trainer's next step is done."""
+    after_the_next_step(trainer, down.set)
 
 
 def test_a_judge_that_stops_answering_stops_the_run_saved_and_it_resumes(tmp_path, model_dir):
@@ -265,14 +270,7 @@ def test_a_reward_that_fails_on_every_call_stops_the_run_in_its_step_saved(tmp_p
     config = write_run_config(tmp_path, model_dir, reward=reward)
     settings = ["data.val_files=[]", "trainer.total_steps=3", "trainer.save_final=false"]
     trainer = Trainer(load_config(config, settings))
-    step = trainer.train_step
-
-    def step_then_the_reward_breaks():
-        out = step()
-        broken.touch()
-        return out
-
-    trainer.train_step = step_then_the_reward_breaks
+    after_the_next_step(trainer, broken.touch)  # it starts reading a column the data lacks
     with pytest.raises(RewardFailingError) as stopped:
         trainer.fit()
     saved = tmp_path / "runs" / "run" / "checkpoints" / "step_1"
