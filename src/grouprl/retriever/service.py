@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from grouprl.retriever.batching import MicroBatcher
@@ -51,25 +52,124 @@ BATCH_QUERIES = 64
 BATCH_CHARS = 16_000
 
 
-def create_app(
-    retriever: "Retriever",
-    *,
-    default_top_k: int = DEFAULT_TOP_K,
-    max_top_k: int = MAX_TOP_K,
-    max_queries: int = MAX_QUERIES,
-    max_query_chars: int = MAX_QUERY_CHARS,
-    max_body_bytes: int = MAX_BODY_BYTES,
-    request_timeout_s: float = REQUEST_TIMEOUT_S,
-    batch_window_s: float = 0.002,
-    batch_queries: int = BATCH_QUERIES,
-    batch_chars: int = BATCH_CHARS,
-) -> Any:
-    """The FastAPI app serving `retriever`; the limits are those of the module docstring."""
+@dataclass(frozen=True)
+class Limits:
+    """The service's bounds (module docstring); all must be > 0."""
+
+    default_top_k: int = DEFAULT_TOP_K
+    max_top_k: int = MAX_TOP_K
+    max_queries: int = MAX_QUERIES
+    max_query_chars: int = MAX_QUERY_CHARS
+    max_body_bytes: int = MAX_BODY_BYTES
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    batch_queries: int = BATCH_QUERIES
+    batch_chars: int = BATCH_CHARS
+
+    def __post_init__(self) -> None:
+        bounds = (self.max_queries, self.max_query_chars, self.max_body_bytes, self.request_timeout_s)
+        if min(*bounds, self.batch_queries, self.batch_chars) <= 0:
+            raise ValueError("the service's limits and batch bounds must be > 0")
+
+
+class Refused(Exception):
+    """A request refused with an HTTP status and one line for the client."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def top_k_of(value: Any, where: str, max_top_k: int) -> int:
+    """`value` as a top_k from 1 to `max_top_k`, else refused (422)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_top_k:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise Refused(422, f"{where}top_k must be an integer from 1 to {max_top_k}, got {shown}")
+    return value
+
+
+def parse_body(body: bytes) -> list[Any]:
+    """The body as a JSON list, else refused (400)."""
+    expected = "expected a list of {query, id} objects"
+    try:
+        items = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Refused(400, f"body is not JSON; {expected}") from None
+    except RecursionError:  # the C parser recurses once per level
+        raise Refused(400, f"body is nested too deeply; {expected}") from None
+    except ValueError:  # Python reads no integer of over 4300 digits
+        raise Refused(400, f"body holds a number too long to read; {expected}") from None
+    if not isinstance(items, list):
+        raise Refused(400, f"body must be a JSON list of {{query, id}} objects, got {type(items).__name__}")
+    return items
+
+
+def parse_item(i: int, item: Any, default_top_k: int, max_top_k: int) -> tuple[str, str | int, int]:
+    """One item's (query, id, top_k), else refused (422)."""
+    if not isinstance(item, dict):
+        raise Refused(422, f"item {i}: expected an object with query and id, got {type(item).__name__}")
+    query = item.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise Refused(422, f"item {i}: query must be a non-empty string")
+    try:
+        query.encode()  # JSON's \ud800 escapes give lone surrogates, which tokenizers refuse
+    except UnicodeEncodeError as e:
+        raise Refused(
+            422,
+            f"item {i}: query is not valid Unicode text (lone surrogate {query[e.start]!r} at character {e.start})",
+        ) from None
+    item_id = item.get("id", str(i))
+    if not isinstance(item_id, (str, int)) or isinstance(item_id, bool):
+        raise Refused(422, f"item {i}: id must be a string or an integer")
+    top_k = top_k_of(item["top_k"], f"item {i}: ", max_top_k) if "top_k" in item else default_top_k
+    return query, item_id, top_k
+
+
+def parse_request(body: bytes, default_top_k: int, limits: Limits) -> list[tuple[str, str | int, int]]:
+    """A /search body's (query, id, top_k) items, within the limits, else refused."""
+    items = parse_body(body)
+    if len(items) > limits.max_queries:
+        raise Refused(422, f"at most {limits.max_queries} queries per request, got {len(items)}")
+    parsed = [parse_item(i, item, default_top_k, limits.max_top_k) for i, item in enumerate(items)]
+    chars = sum(len(query) for query, _, _ in parsed)
+    if chars > limits.max_query_chars:
+        raise Refused(
+            413,
+            f"the queries hold {chars} characters, more than {limits.max_query_chars} per request; "
+            "split them over several requests",
+        )
+    return parsed
+
+
+def chunks(pairs: list[tuple[str, int]], limits: Limits) -> Iterator[list[tuple[str, int]]]:
+    """A request's (query, top_k) pairs in runs that fit one batch."""
+    chunk: list[tuple[str, int]] = []
+    chars = 0
+    for pair in pairs:
+        if chunk and (len(chunk) == limits.batch_queries or chars + len(pair[0]) > limits.batch_chars):
+            yield chunk
+            chunk, chars = [], 0
+        chunk.append(pair)
+        chars += len(pair[0])
+    if chunk:
+        yield chunk
+
+
+def reply(ids: list[str | int], hits: list[Any]) -> list[dict[str, Any]]:
+    """The /search reply: each id with its hits."""
+    fields = ("score", "text", "image", "title", "rank")
+    return [
+        {"id": item_id, "results": [{"doc_id": h.id, **{f: getattr(h, f) for f in fields}} for h in query_hits]}
+        for item_id, query_hits in zip(ids, hits)
+    ]
+
+
+def create_app(retriever: "Retriever", *, batch_window_s: float = 0.002, **limits: Any) -> Any:
+    """The FastAPI app serving `retriever`; `limits` are `Limits`' fields (module docstring)."""
     from fastapi import FastAPI, HTTPException, Request, Response
+    from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
 
-    if min(max_queries, max_query_chars, max_body_bytes, request_timeout_s, batch_queries, batch_chars) <= 0:
-        raise ValueError("the service's limits and batch bounds must be > 0")
+    bounds = Limits(**limits)
     app = FastAPI(title="grouprl retriever")
     started = time.monotonic()
 
@@ -82,47 +182,34 @@ def create_app(
     batcher = MicroBatcher(
         search_batch,
         window_s=batch_window_s,
-        max_batch=batch_queries,
-        max_cost=batch_chars,
+        max_batch=bounds.batch_queries,
+        max_cost=bounds.batch_chars,
         cost=lambda item: len(item[0]),
         isolate_failures=True,
     )
-    too_big = f"body is over {max_body_bytes} bytes; send fewer or shorter queries per request"
     too_slow = (
-        f"the search took longer than the service's limit of {request_timeout_s:g} s per request; "
+        f"the search took longer than the service's limit of {bounds.request_timeout_s:g} s per request; "
         "send fewer queries per request or retry later"
     )
 
     async def read_body(request: Request) -> bytes:
         """The body, refused (413) as soon as it is known to be too big: declared or as read."""
+        too_big = f"body is over {bounds.max_body_bytes} bytes; send fewer or shorter queries per request"
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            raise HTTPException(413, too_big)
+        if declared.isdigit() and int(declared) > bounds.max_body_bytes:
+            raise Refused(413, too_big)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
-            if len(body) > max_body_bytes:
-                raise HTTPException(413, too_big)
+            if len(body) > bounds.max_body_bytes:
+                raise Refused(413, too_big)
         return bytes(body)
-
-    def chunks(pairs: list[tuple[str, int]]) -> Iterator[list[tuple[str, int]]]:
-        """A request's (query, top_k) pairs in runs that fit one batch."""
-        chunk: list[tuple[str, int]] = []
-        chars = 0
-        for pair in pairs:
-            if chunk and (len(chunk) == batch_queries or chars + len(pair[0]) > batch_chars):
-                yield chunk
-                chunk, chars = [], 0
-            chunk.append(pair)
-            chars += len(pair[0])
-        if chunk:
-            yield chunk
 
     async def search_pairs(request: Request, pairs: list[tuple[str, int]]) -> list[Any] | None:
         """Hits (or the exception) per pair, one chunk in the queue at a time; None once the
         client has gone away, and nothing after a failed query (the request fails anyway)."""
         found: list[Any] = []
-        for chunk in chunks(pairs):
+        for chunk in chunks(pairs, bounds):
             if await request.is_disconnected():
                 return None
             found += await asyncio.gather(*(batcher.submit(pair) for pair in chunk), return_exceptions=True)
@@ -130,11 +217,9 @@ def create_app(
                 break
         return found
 
-    def top_k_of(value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_top_k:
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            raise HTTPException(422, f"{where}top_k must be an integer from 1 to {max_top_k}, got {shown}")
-        return value
+    @app.exception_handler(Refused)
+    async def refused(request: Request, e: Refused) -> Any:
+        return JSONResponse({"detail": e.detail}, status_code=e.status)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -149,92 +234,27 @@ def create_app(
     @app.post("/search")
     async def search(request: Request, top_k: str | None = None) -> Any:
         try:
-            default = default_top_k if top_k is None else int(top_k)
+            default = bounds.default_top_k if top_k is None else int(top_k)
         except ValueError:
-            raise HTTPException(
-                422, f"top_k must be an integer from 1 to {max_top_k}, got {top_k!r}"
-            ) from None
-        default = top_k_of(default, "")
+            raise Refused(422, f"top_k must be an integer from 1 to {bounds.max_top_k}, got {top_k!r}") from None
+        default = top_k_of(default, "", bounds.max_top_k)
         try:
-            return await asyncio.wait_for(answer(request, default), request_timeout_s)
+            return await asyncio.wait_for(answer(request, default), bounds.request_timeout_s)
         except asyncio.TimeoutError:
             raise HTTPException(503, too_slow) from None
 
     async def answer(request: Request, default: int) -> Any:
         """The reply to one /search request (its deadline runs around this)."""
-        try:
-            items = json.loads(await read_body(request))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HTTPException(400, "body is not JSON; expected a list of {query, id} objects") from None
-        except RecursionError:  # the C parser recurses once per level
-            raise HTTPException(
-                400, "body is nested too deeply; expected a list of {query, id} objects"
-            ) from None
-        except ValueError:  # Python reads no integer of over 4300 digits
-            raise HTTPException(
-                400, "body holds a number too long to read; expected a list of {query, id} objects"
-            ) from None
-        if not isinstance(items, list):
-            raise HTTPException(
-                400, f"body must be a JSON list of {{query, id}} objects, got {type(items).__name__}"
-            )
-        if len(items) > max_queries:
-            raise HTTPException(422, f"at most {max_queries} queries per request, got {len(items)}")
-        queries, ids, ks = [], [], []
-        for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise HTTPException(
-                    422, f"item {i}: expected an object with query and id, got {type(item).__name__}"
-                )
-            query = item.get("query")
-            if not isinstance(query, str) or not query.strip():
-                raise HTTPException(422, f"item {i}: query must be a non-empty string")
-            try:
-                query.encode()  # JSON's \ud800 escapes give lone surrogates, which tokenizers refuse
-            except UnicodeEncodeError as e:
-                raise HTTPException(
-                    422,
-                    f"item {i}: query is not valid Unicode text (lone surrogate {query[e.start]!r} "
-                    f"at character {e.start})",
-                ) from None
-            item_id = item.get("id", str(i))
-            if not isinstance(item_id, (str, int)) or isinstance(item_id, bool):
-                raise HTTPException(422, f"item {i}: id must be a string or an integer")
-            queries.append(query)
-            ids.append(item_id)
-            ks.append(top_k_of(item["top_k"], f"item {i}: ") if "top_k" in item else default)
-        chars = sum(map(len, queries))
-        if chars > max_query_chars:
-            raise HTTPException(
-                413,
-                f"the queries hold {chars} characters, more than {max_query_chars} per request; "
-                "split them over several requests",
-            )
-        hits = await search_pairs(request, list(zip(queries, ks)))
+        items = parse_request(await read_body(request), default, bounds)
+        hits = await search_pairs(request, [(query, k) for query, _, k in items])
         if hits is None:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         for i, found in enumerate(hits):
             if isinstance(found, BaseException):
                 # the exception stays in the service's log: its text can name the index's files
                 logger.error("search failed on item %d of a request", i, exc_info=found)
-                raise HTTPException(500, f"item {i}: search failed (the service's log has the error)")
-        return [
-            {
-                "id": item_id,
-                "results": [
-                    {
-                        "doc_id": h.id,
-                        "score": h.score,
-                        "text": h.text,
-                        "image": h.image,
-                        "title": h.title,
-                        "rank": h.rank,
-                    }
-                    for h in query_hits
-                ],
-            }
-            for item_id, query_hits in zip(ids, hits)
-        ]
+                raise Refused(500, f"item {i}: search failed (the service's log has the error)")
+        return reply([item_id for _, item_id, _ in items], hits)
 
     return app
 
