@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory.py): model shapes counted on the meta device against the built
+"""The memory plan (trainer/memory/): model shapes counted on the meta device against the built
 models, its parts worked out by hand, the activation count against autograd's own saved tensors,
 the dry run of the source's recipe for a Qwen2.5-VL-7B on 8 x 80 GB (fits) and 1 x 80 GB (refused,
 with what would fit), a run refused before its model loads, and the measured peaks."""
