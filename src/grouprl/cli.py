@@ -263,9 +263,17 @@ def describe_rewards(cfg) -> list[str]:
 
 def describe_plan(cfg) -> list[str]:
     """What a run would do, without loading a model."""
-    from grouprl.errors import missing_local_path
-    from grouprl.trainer.models import BUILTIN_MODELS, BUILTIN_VLMS
+    return [
+        *_describe_update(cfg),
+        *_describe_policy(cfg),
+        *_describe_episode(cfg),
+        *_describe_data(cfg),
+        *_describe_run(cfg),
+    ]
 
+
+def _describe_update(cfg) -> list[str]:
+    """The batch, the update's steps, the loss, the learning rate, lengths, rollout and correction."""
     b, n = cfg.data.train_batch_size, cfg.rollout.n_agent
     mini = cfg.actor.mini_batch_size or b
     mini_samples = mini * n
@@ -297,6 +305,14 @@ def describe_plan(cfg) -> list[str]:
             f"WARNING: {cfg.actor.policy_loss} with {cfg.actor.loss_agg_mode}: verl reduces it as seq-mean-token-mean "
             "(one term per sequence); set actor.loss_agg_mode=seq-mean-token-mean for its numbers"
         )
+    return lines
+
+
+def _describe_policy(cfg) -> list[str]:
+    """Where the policy comes from, what trains it, and the reference."""
+    from grouprl.errors import missing_local_path
+    from grouprl.trainer.models import BUILTIN_MODELS, BUILTIN_VLMS
+
     path = cfg.model.path
     builtin = path.split(":", 1)[1] if path.startswith("builtin:") else None
     if builtin in BUILTIN_MODELS:
@@ -321,7 +337,7 @@ def describe_plan(cfg) -> list[str]:
         extra.append(f"{cfg.model.quantization} quantised (CUDA only)")
     if cfg.model.gradient_checkpointing:
         extra.append("gradient checkpointing")
-    lines.append(f"policy: {path} [{where}]" + (f" + {', '.join(extra)}" if extra else ""))
+    lines = [f"policy: {path} [{where}]" + (f" + {', '.join(extra)}" if extra else "")]
     needs_ref = cfg.algorithm.kl_coef > 0 or cfg.actor.kl_loss_coef > 0
     if needs_ref:
         kind = "base model with adapters disabled" if cfg.model.lora.rank else "frozen copy of the policy"
@@ -330,6 +346,12 @@ def describe_plan(cfg) -> list[str]:
         )
     else:
         lines.append("reference: none (no KL term)")
+    return lines
+
+
+def _describe_episode(cfg) -> list[str]:
+    """The agent, the curriculum, the rewards and reward models."""
+    lines = []
     if cfg.agent.enabled:
         a = cfg.agent
         search = (
@@ -360,16 +382,25 @@ def describe_plan(cfg) -> list[str]:
     for m in cfg.reward.models:  # each in the reward-model worker, on its own device
         what = f"{m.kind} {m.path or m.base_url or '(built-in)'} on {m.device}, batches of {m.batch_size}"
         lines.append(f"reward model {m.name}: {what}" + (f", scores {m.images_from}'s images" if m.images_from else ""))
-    if cfg.data.train_files:
-        from grouprl.data.layout import describe_data_file
+    return lines
 
-        for f in cfg.data.train_files + cfg.data.val_files:  # a needed column absent: one error line
-            lines.append(f"data: {f}: {describe_data_file(f)}" if Path(f).exists() else f"data: {f}  [WARNING: not found]")
-    else:
-        lines.append(
-            f"data: built-in task '{cfg.data.task}' ({cfg.data.task_train_size} train / {cfg.data.task_val_size} held-out)"
-        )
+
+def _describe_data(cfg) -> list[str]:
+    if not cfg.data.train_files:
+        return [f"data: built-in task '{cfg.data.task}' ({cfg.data.task_train_size} train / {cfg.data.task_val_size} held-out)"]
+    from grouprl.data.layout import describe_data_file
+
+    # a needed column absent: one error line
+    return [
+        f"data: {f}: {describe_data_file(f)}" if Path(f).exists() else f"data: {f}  [WARNING: not found]"
+        for f in cfg.data.train_files + cfg.data.val_files
+    ]
+
+
+def _describe_run(cfg) -> list[str]:
+    """How it launches (Ray), how long it runs, saves, evaluates, and where it writes."""
     t = cfg.trainer
+    lines = []
     if t.launcher == "ray":
         workers = f"{t.ray_workers} ranks" if t.ray_workers else "a rank per GPU of the cluster"
         lines.append(
