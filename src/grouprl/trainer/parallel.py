@@ -7,7 +7,7 @@ scores and updates on it. The model is sharded with FSDP2 (`fully_shard` per dec
 VLM's vision layers too, and once at the root); the loss weights are global (see update.py), so
 the summed gradient equals the gradient of one process on the whole batch.
 
-Everything the update runs goes through `Policy.__call__(fn, ...)`, a root module whose forward
+Everything the update runs goes through `ShardedRoot.__call__(fn, ...)`, a root module whose forward
 calls `fn(model, ...)`, so FSDP's hooks see it while the log-prob code keeps reading the head's
 weight itself. Within a mini-batch the parameters are gathered once (`accumulating`): ranks
 run different numbers of forward passes (shared prefixes, token budgets) without collectives,
@@ -176,7 +176,7 @@ def reduce_metrics(metrics: dict[str, float], ranks: Ranks) -> dict[str, float]:
     return out
 
 
-class Policy(torch.nn.Module):
+class ShardedRoot(torch.nn.Module):
     """The root of the sharded model: `policy(fn, *args)` runs `fn(model, *args)` inside the
     root's forward, so FSDP gathers what `fn` touches and reduces its gradients."""
 
@@ -237,7 +237,7 @@ def shard(
     mesh=None,
     source: dict[str, torch.Tensor] | None = None,
     device: torch.device | None = None,
-) -> Policy:
+) -> ShardedRoot:
     """FSDP2 over `model`: each decoder layer, then the root (everything else); over `mesh`
     (`device_mesh`) when given, else over every rank. `source` (sharded loading): rank 0's whole
     state dict, in host memory ({} on the other ranks, whose `model` has its parameters on the
@@ -253,7 +253,7 @@ def shard(
     # the update's passes run on whole weights (`accumulating`), where the pre-backward gather
     # FSDP warns a view output could skip has nothing to gather
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    policy = Policy(model)
+    policy = ShardedRoot(model)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(policy, **options)
@@ -307,18 +307,18 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
 
 
 def run(model, fn, *args, **kwargs):
-    """`fn(model, *args)`, through the FSDP root when `model` is a sharded `Policy`."""
-    if isinstance(model, Policy):
+    """`fn(model, *args)`, through the FSDP root when `model` is a sharded `ShardedRoot`."""
+    if isinstance(model, ShardedRoot):
         return model(fn, *args, **kwargs)
     return fn(model, *args, **kwargs)
 
 
 def inner(model) -> torch.nn.Module:
-    """The Hugging Face model (inside a `Policy`, or itself)."""
-    return model.model if isinstance(model, Policy) else model
+    """The Hugging Face model (inside a `ShardedRoot`, or itself)."""
+    return model.model if isinstance(model, ShardedRoot) else model
 
 
-def _fsdp_modules(policy: Policy) -> list:
+def _fsdp_modules(policy: ShardedRoot) -> list:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in policy.modules() if isinstance(m, FSDPModule)]
@@ -328,7 +328,7 @@ def _fsdp_modules(policy: Policy) -> list:
 def gathered(model) -> Iterator[None]:
     """Within the block every parameter of a sharded policy is whole on every rank (and stays
     so through forward passes): generation and exports run on the plain model."""
-    if not isinstance(model, Policy) or model.whole:  # not sharded, or gathered already
+    if not isinstance(model, ShardedRoot) or model.whole:  # not sharded, or gathered already
         yield
         return
     modules = _fsdp_modules(model)
@@ -352,7 +352,7 @@ def gathered(model) -> Iterator[None]:
 def accumulating(model) -> Iterator[None]:
     """Within the block a sharded policy's parameters are whole, passes keep them so, and
     gradients accumulate on each rank without communication until `sync_gradients`."""
-    if not isinstance(model, Policy):
+    if not isinstance(model, ShardedRoot):
         yield
         return
     modules = _fsdp_modules(model)
@@ -397,7 +397,7 @@ def sync_gradients(model, pad_token_id: int, vision=None) -> None:
     `vision` (given on every rank when any rank's rows of the mini-batch had images) runs the
     tower and connector too, and a rank that saw no image sends zeros. With no image on any rank
     no rank's tower holds a gradient, and it is not stepped, as in one process."""
-    if not isinstance(model, Policy):
+    if not isinstance(model, ShardedRoot):
         return
     for m in _fsdp_modules(model):
         m.set_requires_gradient_sync(True, recurse=False)
