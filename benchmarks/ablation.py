@@ -148,7 +148,7 @@ def build_step(args, tokenizer, vocab_size: int):
 
 def full_logits_stats(hidden, targets, head, *, temperature=1.0, with_entropy=False, chunk_size=256):
     """The LM head over all positions of the micro-batch at once, no recomputation."""
-    from grouprl.trainer.logprobs import _token_stats
+    from grouprl.trainer.head_stats import _token_stats
 
     return _token_stats(hidden, targets, head, temperature, with_entropy)
 
@@ -158,7 +158,7 @@ def run_child(args) -> dict:
 
     from grouprl.config import ActorConfig, ModelConfig, OptimConfig
     from grouprl.rollout.engines.hf import HFEngine, SamplingParams
-    from grouprl.trainer import logprobs
+    from grouprl.trainer import head_stats, logprobs
     from grouprl.trainer.models import (
         load_causal_lm,
         load_tokenizer,
@@ -202,7 +202,7 @@ def run_child(args) -> dict:
         if v.get("pack") is False:
             logprobs.PACK_TOKENS = 0
         if v.get("autograd_head"):
-            logprobs._plain_linear = lambda head: False  # the checkpointed-chunk path
+            head_stats._plain_linear = lambda head: False  # the checkpointed-chunk path
         rows_per_micro = args.micro_batch_size
         budget = 0
         if v.get("token_budget"):

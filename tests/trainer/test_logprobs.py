@@ -300,16 +300,16 @@ def test_responses_split_over_several_packed_rows_match_full_logits(model, batch
 def test_linear_head_backward_is_the_hand_written_one(model, batch, monkeypatch):
     """The values and gradients above come from the hand-written head backward (not a fallback),
     and with a frozen head it computes no weight gradient."""
-    from grouprl.trainer import logprobs
+    from grouprl.trainer import head_stats
 
     calls = []
-    real = logprobs._LinearHeadStats.backward
+    real = head_stats._LinearHeadStats.backward
 
     def spy(ctx, *grads):
         calls.append(ctx.needs_input_grad[:2])
         return real(ctx, *grads)
 
-    monkeypatch.setattr(logprobs._LinearHeadStats, "backward", staticmethod(spy))
+    monkeypatch.setattr(head_stats._LinearHeadStats, "backward", staticmethod(spy))
     lp, ent = response_log_probs(model, batch, shared_prefix=True, with_entropy=True, chunk_size=4)
     scalar_loss(lp, ent, batch.response_mask).backward()
     assert calls == [(True, True)]
@@ -325,7 +325,7 @@ def test_linear_head_backward_is_the_hand_written_one(model, batch, monkeypatch)
 
 
 def test_head_gradient_added_into_the_parameter_equals_autograds(model, batch):
-    from grouprl.trainer.logprobs import head_grad_into_param
+    from grouprl.trainer.head_stats import head_grad_into_param
 
     weights = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 

@@ -44,8 +44,8 @@ from grouprl.trainer.evaluation import (
     skipped_record,
 )
 from grouprl.trainer.export import export_model
+from grouprl.trainer.head_stats import chunked_token_stats
 from grouprl.trainer.loggers import ConsoleLogger, make_loggers
-from grouprl.trainer.logprobs import chunked_token_stats
 from grouprl.trainer.models import (
     load_causal_lm,
     load_tokenizer,

@@ -21,12 +21,12 @@ from grouprl import cpu
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_correction
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.head_stats import head_grad_into_param
 from grouprl.trainer.logprobs import (
     OPENING_MIN_TOKENS,
     Prefix,
     ResponseBatch,
     block_masks,
-    head_grad_into_param,
     prefix_forward,
     prompt_keys,
     response_log_probs,
