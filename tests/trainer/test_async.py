@@ -244,7 +244,7 @@ def test_a_synchronous_checkpoint_resumes_asynchronously_from_its_own_weights(tm
 def test_a_judge_that_stops_answering_stops_an_asynchronous_run_saved(tmp_path, model_dir):
     """The scorer thread's JudgeUnavailableError reaches the trainer (no hang): the run saves the
     steps done and stops with the judge's line."""
-    from grouprl.rewards.composite import JudgeUnavailableError
+    from grouprl.rewards.failures import JudgeUnavailableError
     from rewards.judges.fake_server import FakeJudgeServer, Reply
 
     down = threading.Event()

@@ -19,7 +19,7 @@ from tiny import LOWER_FRACTION, tiny_model_dir, write_reward, write_run_config
 
 import grouprl.trainer.checkpoint as checkpoint_module
 from grouprl.config import load_config
-from grouprl.rewards.composite import JudgeUnavailableError, RewardFailingError
+from grouprl.rewards.failures import JudgeUnavailableError, RewardFailingError
 from grouprl.trainer.checkpoint import MANIFEST, CheckpointManager, problem
 from grouprl.trainer.trainer import Trainer
 from helpers import REORDERED, free_port

@@ -38,11 +38,16 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.config import RewardConfig, judge_name, model_name, stages_of
-from grouprl.errors import ConfigError, UserError
+from grouprl.errors import ConfigError
+from grouprl.rewards.failures import (
+    COMPONENT,
+    JudgeTally,
+)
 from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rewards.judges.component import JudgeComponent
 from grouprl.rewards.judges.parsing import looks_like_verdict
 from grouprl.rewards.loader import load_reward_function
+from grouprl.rewards.trl_batch import _batch_arguments, is_batched
 from grouprl.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -77,45 +82,6 @@ class RewardComponent:
     def arguments(self, context: dict[str, Any]) -> dict[str, Any]:
         chosen = context if self.accepted is None else {k: context[k] for k in self.accepted}
         return {**chosen, **self.kwargs}
-
-
-# the parameters that mark a reward function written for TRL's GRPOTrainer: it takes lists (one
-# entry a completion) and returns a list of floats (None: not applicable to that completion)
-BATCH_NAMES = ("completions", "prompts", "completion_ids")
-
-
-def is_batched(fn: Callable[..., Any]) -> bool:
-    """`fn` takes TRL's batch arguments (`completions`, `prompts`, `completion_ids`)."""
-    try:
-        names = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(name in names for name in BATCH_NAMES)
-
-
-def _batch_arguments(contexts: list[dict[str, Any]]) -> dict[str, Any]:
-    """What TRL passes a reward function for these completions: `prompts` and `completions`
-    (text, or message lists where the data's prompts were messages), `completion_ids`, and each
-    dataset column as a list (the columns in extra_info, the ground truth under its own column's
-    name and as `ground_truth`)."""
-    samples = [c["sample"] for c in contexts]
-    conversational = all(s.conversational for s in samples)
-    arguments: dict[str, Any] = {
-        "prompts": [s.messages if conversational else c["prompt"] for s, c in zip(samples, contexts)],
-        "completions": [
-            [{"role": "assistant", "content": c["response"]}] if conversational else c["response"] for c in contexts
-        ],
-        "completion_ids": [list(c["trajectory"].response_ids) for c in contexts],
-        "ground_truth": [s.ground_truth for s in samples],
-        "data_source": [s.data_source for s in samples],
-    }
-    for column in dict.fromkeys(k for s in samples for k in s.extra_info):
-        if column not in arguments:
-            arguments[column] = [s.extra_info.get(column) for s in samples]
-    for column in dict.fromkeys(s.truth_column for s in samples):
-        if column and "." not in column and column not in arguments:
-            arguments[column] = [s.ground_truth for s in samples]
-    return arguments
 
 
 def _per_completion(result: Any, n: int) -> list[Any]:
@@ -218,63 +184,6 @@ def _run_to_completion(coroutine: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run(coroutine)
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
-
-
-class RewardUnavailableError(UserError):
-    """A reward failed too often (reward.max_consecutive_failures / max_failed_share): the run
-    stops, saved, rather than train on fallback values."""
-
-
-class JudgeUnavailableError(RewardUnavailableError):
-    """A judge failed too often; resuming helps once it answers again."""
-
-
-class RewardFailingError(RewardUnavailableError):
-    """A reward function (rule, user file, reward model) failed too often: a bug or a mismatch
-    between it and the data; resuming helps once it is fixed."""
-
-
-COMPONENT = "component:"  # report keys of reward components that are not judges
-
-
-@dataclass
-class JudgeTally:
-    """One judge's (or reward component's) calls in one process since the last report, and its
-    failed calls in a row."""
-
-    calls: int = 0
-    failures: int = 0
-    in_row: int = 0
-    error: str = ""  # a judge's last failure's; a component's first
-
-
-def rewards_down(
-    reports: list[dict[str, JudgeTally]], max_in_row: int, max_share: float
-) -> RewardUnavailableError | None:
-    """Why the run must stop for a judge or a reward component, given every rank's
-    `failure_report()` (the same answer on every rank), or None. Failures in a row add up over
-    the ranks (each counts its own calls)."""
-    for key in sorted({key for report in reports for key in report}):
-        tallies = [report[key] for report in reports if key in report]
-        calls, failures = sum(t.calls for t in tallies), sum(t.failures for t in tallies)
-        in_row = sum(t.in_row for t in tallies)
-        component = key.startswith(COMPONENT)
-        errors = [t.error for t in tallies if t.error]
-        error = ((errors[0] if component else errors[-1]) if errors else "").splitlines() or [""]
-        what = f"reward component {key[len(COMPONENT):]!r}" if component else f"judge {key!r}"
-        which = "first" if component else "last"
-        kind = RewardFailingError if component else JudgeUnavailableError
-        if max_in_row and in_row >= max_in_row:
-            return kind(
-                f"{what} failed {in_row} calls in a row (reward.max_consecutive_failures="
-                f"{max_in_row}; {which} error: {error[0][:200]})"
-            )
-        if calls and failures / calls > max_share:
-            return kind(
-                f"{what} failed {failures} of {calls} calls (more than reward.max_failed_share="
-                f"{max_share:g}; {which} error: {error[0][:200]})"
-            )
-    return None
 
 
 def groups_to_drop(trajectories: list[Trajectory]) -> set[str]:

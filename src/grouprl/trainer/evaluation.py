@@ -22,7 +22,7 @@ import torch
 
 from grouprl.config import Config
 from grouprl.data import Sample, encode_prompt, fit_prompt
-from grouprl.rewards.composite import rewards_down
+from grouprl.rewards.failures import rewards_down
 from grouprl.rollout.engines import SamplingParams, rollout_phase
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.image_report import eval_rows

@@ -38,7 +38,8 @@ from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import Sample
 from grouprl.devices import release_cached_memory
 from grouprl.errors import ModelLoadError
-from grouprl.rewards.composite import groups_to_drop, rewards_down
+from grouprl.rewards.composite import groups_to_drop
+from grouprl.rewards.failures import rewards_down
 from grouprl.rewards.streaming import batch_summary, combine
 from grouprl.rollout.engines import SamplingParams, rollout_phase
 from grouprl.rollout.engines.hf import HFEngine

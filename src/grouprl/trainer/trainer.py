@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from grouprl.config import Config, to_dict
-from grouprl.rewards.composite import JudgeUnavailableError, RewardUnavailableError
+from grouprl.rewards.failures import JudgeUnavailableError, RewardUnavailableError
 from grouprl.rollout.engines.process import EngineProcessEnded
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state

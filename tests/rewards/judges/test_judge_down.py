@@ -7,14 +7,8 @@ import pytest
 from grouprl.config import RewardConfig
 from grouprl.data import Sample
 from grouprl.errors import ConfigError
-from grouprl.rewards.composite import (
-    CompositeReward,
-    JudgeTally,
-    JudgeUnavailableError,
-    RewardComponent,
-    RewardFailingError,
-    rewards_down,
-)
+from grouprl.rewards.composite import CompositeReward, RewardComponent
+from grouprl.rewards.failures import JudgeTally, JudgeUnavailableError, RewardFailingError, rewards_down
 from grouprl.rewards.judges import JudgeClient, JudgeComponent, JudgeRequest
 from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rollout.trajectory import Trajectory

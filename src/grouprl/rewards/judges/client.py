@@ -17,7 +17,7 @@ Calls that reached the judge and failed after their retries are counted in a row
 (`consecutive_failures`, reset by any answer); with `max_consecutive_failures` set, reaching it
 marks the judge `down` and later calls fail at once (cache hits still answer), so a judge that
 stopped answering costs one round of timeouts, not a whole step of them. The trainer decides
-what to do about it (rewards.composite.rewards_down).
+what to do about it (rewards.failures.rewards_down).
 """
 
 from __future__ import annotations
