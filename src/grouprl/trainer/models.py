@@ -12,12 +12,13 @@ import hashlib
 import importlib.util
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from grouprl.config import ModelConfig
+from grouprl.config import Config, ModelConfig
 from grouprl.errors import ModelLoadError, missing_local_path
 from grouprl.trainer.export import save_into_cache
 
@@ -423,3 +424,42 @@ def freeze_parts(model, family, cfg: ModelConfig, *, base_frozen: bool = False) 
             continue
         if (in_tower and cfg.freeze_vision_tower) or (in_language and cfg.freeze_language_model):
             param.requires_grad_(False)
+
+
+@dataclass
+class LoadedPolicy:
+    """A policy as a run, SFT and the engine process load it: the folder it came from (model.path
+    resolved), its tokenizer, the model, and a VLM's processor (None for a text model)."""
+
+    path: str
+    tokenizer: Any
+    model: torch.nn.Module
+    vision: Any  # grouprl.vision.processor.VisionProcessor | None
+
+    @property
+    def family(self) -> Any:
+        """The VLM family (grouprl.vision.families), None for text."""
+        return self.vision.family if self.vision is not None else None
+
+
+def load_policy(
+    cfg: Config, device: torch.device, dtype: torch.dtype, *, path: str | None = None, tokenizer=None, weights: bool = True
+) -> LoadedPolicy:
+    """The one way the policy loads: model.path resolved (a built-in model assembled once), the
+    tokenizer, the model ready to train (load_causal_lm: a VLM's parts frozen as configured,
+    LoRA, quantisation; `weights=False`: its parameters on the meta device, for a rank whose
+    shards come from rank 0) and, for a VLM, the processor that turns images into inputs (with
+    data.image_min_pixels / image_max_pixels). `path` / `tokenizer`: already resolved ones."""
+    from grouprl.vision.families import is_vision_config
+    from grouprl.vision.processor import VisionProcessor
+
+    path = path if path is not None else resolve_model_path(cfg.model)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, path)
+    model = load_causal_lm(cfg.model, path, device, dtype, weights=weights)
+    vision = None
+    if is_vision_config(model.config):
+        vision = VisionProcessor.load(
+            path, model.config, tokenizer, min_pixels=cfg.data.image_min_pixels,
+            max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
+        )  # fmt: skip
+    return LoadedPolicy(path, tokenizer, model, vision)

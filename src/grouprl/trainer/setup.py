@@ -35,10 +35,12 @@ from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
 from grouprl.trainer.memory import PeakMeter, Plan, plan_run
 from grouprl.trainer.models import (
+    LoadedPolicy,
     autocast,
     cast_frozen_linears,
     engine_may_differ,
     load_causal_lm,
+    load_policy,
     load_tokenizer,
     model_config,
     resolve_compute_dtype,
@@ -309,14 +311,8 @@ def generation_engine(cfg: Config, model_path: str, device: str, dtype, rollout_
     if share_cores:
         torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     shape_stable_attention(device)
-    tokenizer = load_tokenizer(cfg.model, model_path)
-    model = cast_frozen_linears(load_causal_lm(cfg.model, model_path, device, dtype).requires_grad_(False), rollout_dtype)
-    family = None
-    if is_vision_config(model.config):
-        family = VisionProcessor.load(
-            model_path, model.config, tokenizer, min_pixels=cfg.data.image_min_pixels,
-            max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
-        ).family  # fmt: skip
+    loaded = load_policy(cfg, device, dtype, path=model_path)
+    model, tokenizer, family = cast_frozen_linears(loaded.model.requires_grad_(False), rollout_dtype), loaded.tokenizer, loaded.family
     engine = build_engine(
         cfg.rollout, model, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
         vision=family, report_log_probs=True, device=device,
@@ -348,27 +344,165 @@ class Sharder:
         )  # fmt: skip
 
 
-def build(cfg: Config) -> Parts:
-    seed_everything(cfg.trainer.seed)
-    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
-    # Everything the user can get wrong in data or rewards fails here, before the model loads.
-    train_samples, val_samples = load_data(cfg)
-    breakdown = breakdown_key(cfg.trainer.val_breakdown, val_samples)
+@dataclass
+class Precision:
+    """The run's dtypes: the parameters', the update's autocast (None: the parameters') and
+    generation's autocast."""
+
+    dtype: torch.dtype
+    compute: torch.dtype | None
+    rollout: torch.dtype | None
+
+    @classmethod
+    def resolve(cls, cfg: Config, device: torch.device) -> Precision:
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        compute = resolve_compute_dtype(cfg.actor.dtype, device, dtype)
+        return cls(dtype, compute, resolve_rollout_dtype(cfg.rollout.dtype, device, dtype, compute))
+
+
+def place_ranks(cfg: Config) -> tuple[torch.device, Ranks]:
+    """This process's device and its ranks (torchrun / Ray: each holds whole groups of every
+    step, parallel.py)."""
     device = resolve_device(cfg.trainer.device)
-    # torchrun / Ray ranks: each holds whole groups of every step (parallel.py)
     ranks = Ranks.from_env(device.type)
     if ranks.distributed:
         check_parallel(cfg, ranks)
         if device.type == "cuda":
             device = torch.device("cuda", ranks.local_rank)
             torch.cuda.set_device(device)
+    return device, ranks
+
+
+def correction(cfg: Config, precision: Precision) -> tuple[bool, str]:
+    """Whether the engine's numbers can differ from the update's (bf16, vLLM; asynchronous
+    training samples from older weights), and algorithm.rollout_is with auto resolved: where they
+    can differ the engine records its log-probs and importance correction is on unless off."""
+    p = precision
+    differs = engine_may_differ(cfg.rollout.engine, p.dtype, p.compute, p.rollout) or cfg.rollout.max_staleness > 0
+    rollout_is = cfg.algorithm.rollout_is
+    if rollout_is == "auto":
+        rollout_is = "token" if differs else "off"
+    return differs, rollout_is
+
+
+@dataclass
+class Models:
+    """The policy as loaded, what the update runs, the reference, and the generation copy."""
+
+    loaded: LoadedPolicy
+    policy: torch.nn.Module  # the model, or its FSDP2 root over several ranks
+    ref_model: torch.nn.Module | str | None
+    copy: torch.nn.Module | None  # rollout.max_staleness: the copy generation samples from
+
+
+def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer) -> Models:
+    """The policy, its reference and generation copy, sharded over several ranks: rank 0 reads
+    the weights into host memory, the others build the model with its parameters on the meta
+    device; FSDP makes each rank's shards on its own device and fills them from rank 0's, a
+    tensor at a time (Sharder's `source`): no device holds the whole model."""
+    dtype = precision.dtype
+    reads = not ranks.distributed or ranks.main
+    where = torch.device("cpu") if ranks.distributed else device
+    loaded = load_policy(cfg, where, dtype, path=path, tokenizer=tokenizer, weights=reads)
+    model = loaded.model
+    source = (dict(model.state_dict()) if reads else {}) if ranks.distributed else None
+    attention = getattr(model.config, "_attn_implementation", None) or ""
+    if "flash" in attention and cfg.actor.shared_prefix:
+        log.info(
+            "model.attn_implementation=%s: generation and evaluation attend through it; the update's "
+            "shared-prefix passes through sdpa (their block masks are 4-D, a flash kernel takes padding "
+            "masks only; actor.shared_prefix=false runs whole sequences through %s)", attention, attention
+        )
+    # what a copy starts from: the model itself in one process; on several ranks a skeleton that
+    # is sharded (or filled whole) from rank 0's weights, never a copy of rank 0's whole model
+    skeleton = functools.partial(load_causal_lm, cfg.model, path, device, dtype, weights=False)
+    ref_model = make_reference(cfg, model, cfg.model.lora.rank > 0, skeleton if ranks.distributed else None)
+    if isinstance(ref_model, torch.nn.Module) and not ranks.distributed:  # FSDP gathers it in the compute dtype
+        cast_frozen_linears(ref_model, precision.compute)  # scored under the update's autocast only
+    # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
+    # policy on each rank, loaded with the weights of each batch's version (its linear weights in
+    # the generation's precision: no cast at every decode step)
+    shadow = None
+    if cfg.rollout.max_staleness:
+        if ranks.distributed:
+            shadow = skeleton().requires_grad_(False)
+            fill_from_rank0(shadow, source, device)
+        else:
+            shadow = copy.deepcopy(model).requires_grad_(False)
+        cast_frozen_linears(shadow, precision.rollout)
+    sharder = Sharder(cfg, ranks, device, dtype, precision.compute)
+    policy = sharder(model, source)
+    if isinstance(ref_model, torch.nn.Module):
+        ref_model = sharder(ref_model, source)
+    return Models(loaded, policy, ref_model, shadow)
+
+
+def make_engines(cfg: Config, models: Models, device: torch.device, precision: Precision, ranks: Ranks, report: bool):
+    """The trainer's engine and its rollout runners, and with rollout.max_staleness what
+    generates ahead of the update (Ahead): the copy, the engine that samples from it, and its
+    runners; the trainer's own built-in engine, on the current weights, then serves evaluation."""
+    loaded, tokenizer, family = models.loaded, models.loaded.tokenizer, models.loaded.family
+    model, path = loaded.model, loaded.path
+    ahead = None
+    if cfg.rollout.max_staleness:
+        shadow = models.copy
+        if cfg.rollout.engine_address:  # an engine service's process, on another machine
+            load = functools.partial(generation_engine, cfg, path, dtype=precision.dtype, rollout_dtype=precision.rollout)
+            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
+        elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
+            where = cfg.rollout.engine_device or str(device)
+            share = torch.device(where).type == "cpu" and device.type == "cpu"
+            load = functools.partial(generation_engine, cfg, path, where, precision.dtype, precision.rollout, share)
+            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
+        else:
+            generator = build_engine(
+                cfg.rollout, shadow, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
+                vision=family, report_log_probs=True, device=device,
+            )  # fmt: skip
+        agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+        # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
+        # group of their own, so that they never interleave with the update's
+        ahead = Ahead(shadow, generator, agent, SingleTurn(generator), ranks.fork())
+        engine = build_engine(replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report)
+    else:
+        engine = build_engine(
+            cfg.rollout, model, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
+            vision=family, report_log_probs=report, device=device,
+            sharded=models.policy if models.policy is not model else None,  # each rank's engine, fed layer by layer
+        )  # fmt: skip
+    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+    return engine, agent, ahead
+
+
+def make_updater(cfg: Config, pad_token_id: int, precision: Precision, rollout_is: str, family, ranks: Ranks) -> PolicyUpdater:
+    return PolicyUpdater(
+        cfg.actor,
+        temperature=cfg.rollout.temperature,
+        pad_token_id=pad_token_id,
+        skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
+        compute_dtype=precision.compute,
+        rollout_is=rollout_is,
+        rollout_is_cap=cfg.algorithm.rollout_is_cap,
+        rollout_is_mode=cfg.algorithm.rollout_is_mode,
+        rollout_is_lower=cfg.algorithm.rollout_is_lower or None,
+        norm_length=norm_length(cfg),
+        vision=family,
+        ranks=ranks,
+    )
+
+
+def build(cfg: Config) -> Parts:
+    seed_everything(cfg.trainer.seed)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name
+    # Everything the user can get wrong in data or rewards fails here, before the model loads.
+    train_samples, val_samples = load_data(cfg)
+    breakdown = breakdown_key(cfg.trainer.val_breakdown, val_samples)
+    device, ranks = place_ranks(cfg)
     # judges log to judge.jsonl; with several ranks each takes its share of a judge's cap; built
     # once the rank's device is set (a local judge or reward model on "auto" takes this rank's)
     reward = CompositeReward.from_config(reward_config(cfg), run_dir=run_dir, rank=ranks.rank, world=ranks.world)
     shape_stable_attention(device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    compute_dtype = resolve_compute_dtype(cfg.actor.dtype, device, dtype)
-    rollout_dtype = resolve_rollout_dtype(cfg.rollout.dtype, device, dtype, compute_dtype)
+    precision = Precision.resolve(cfg, device)
     if cfg.actor.policy_loss == "gspo" and cfg.actor.loss_agg_mode == "token-mean":
         log.warning(
             "actor.policy_loss=gspo with loss_agg_mode=token-mean weighs a sequence by its length, "
@@ -381,172 +515,36 @@ def build(cfg: Config) -> Parts:
     # the memory plan from config.json and the settings: a run that would not fit stops here,
     # before anything loads (settings that depend on the devices are settled first)
     cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
-    # where the engine's numbers can differ from the update's (bf16, vLLM) it records its
-    # log-probs, and importance correction is on unless switched off (algorithm.rollout_is)
-    # asynchronous training samples from older weights than the update's: always a correction
-    engine_differs = (
-        engine_may_differ(cfg.rollout.engine, dtype, compute_dtype, rollout_dtype) or cfg.rollout.max_staleness > 0
-    )
-    rollout_is = cfg.algorithm.rollout_is
-    if rollout_is == "auto":
-        rollout_is = "token" if engine_differs else "off"
-    # several ranks: rank 0 reads the weights into host memory, the others build the model with
-    # its parameters on the meta device; FSDP makes each rank's shards on its own device and fills
-    # them from rank 0's, a tensor at a time (Sharder's `source`): no device holds the whole model
-    reads = not ranks.distributed or ranks.main
-    model = load_causal_lm(cfg.model, model_path, torch.device("cpu") if ranks.distributed else device, dtype, weights=reads)
-    source = (dict(model.state_dict()) if reads else {}) if ranks.distributed else None
-    # a VLM policy: the processor that turns prompts and observations with images into inputs
-    vision = (
-        VisionProcessor.load(
-            model_path,
-            model.config,
-            tokenizer,
-            min_pixels=cfg.data.image_min_pixels,
-            max_pixels=cfg.data.image_max_pixels,
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
-        if is_vision_config(model.config)
-        else None
-    )
-    family = vision.family if vision is not None else None
+    engine_differs, rollout_is = correction(cfg, precision)
+    models = load_models(cfg, ranks, device, precision, model_path, tokenizer)
+    model, vision = models.loaded.model, models.loaded.vision
     encoder = PromptEncoder(cfg, tokenizer, vision)
     train_prompts, prompt_stats = encoder.encode(train_samples, "training")
     val_prompts, _ = encoder.encode(val_samples, "held-out")
     sampler = make_sampler(cfg, train_samples)
     total_steps = cfg.trainer.total_steps or sampler.steps_for_epochs(cfg.trainer.total_epochs)
-
-    attention = getattr(model.config, "_attn_implementation", None) or ""
-    if "flash" in attention and cfg.actor.shared_prefix:
-        log.info(
-            "model.attn_implementation=%s: generation and evaluation attend through it; the update's "
-            "shared-prefix passes through sdpa (their block masks are 4-D, a flash kernel takes padding "
-            "masks only; actor.shared_prefix=false runs whole sequences through %s)", attention, attention
-        )
-    is_lora = cfg.model.lora.rank > 0
-    # what a copy starts from: the model itself in one process; on several ranks a skeleton that
-    # is sharded (or filled whole) from rank 0's weights, never a copy of rank 0's whole model
-    skeleton = functools.partial(load_causal_lm, cfg.model, model_path, device, dtype, weights=False)
-    ref_model = make_reference(cfg, model, is_lora, skeleton if ranks.distributed else None)
-    if isinstance(ref_model, torch.nn.Module) and not ranks.distributed:  # FSDP gathers it in the compute dtype
-        cast_frozen_linears(ref_model, compute_dtype)  # scored under the update's autocast only
-    # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
-    # policy on each rank, loaded with the weights of each batch's version (its linear weights in
-    # the generation's precision: no cast at every decode step)
-    shadow = None
-    if cfg.rollout.max_staleness:
-        if ranks.distributed:
-            shadow = skeleton().requires_grad_(False)
-            fill_from_rank0(shadow, source, device)
-        else:
-            shadow = copy.deepcopy(model).requires_grad_(False)
-        cast_frozen_linears(shadow, rollout_dtype)
-    sharder = Sharder(cfg, ranks, device, dtype, compute_dtype)
-    policy = sharder(model, source)
-    if isinstance(ref_model, torch.nn.Module):
-        ref_model = sharder(ref_model, source)
-    del source  # rank 0's host copy: every shard is filled
     params = [p for p in model.parameters() if p.requires_grad]
     a = cfg.actor
     mini_batches = cfg.data.train_batch_size // (a.mini_batch_size or cfg.data.train_batch_size)
     optimizer = build_optimizer(params, a.optim)
     scheduler = build_scheduler(optimizer, a.optim, total_steps * mini_batches * a.ppo_epochs)
     # what lives in host memory between its uses (actor.reference_offload / optimizer_offload)
-    reference_parked = ParkedModule(ref_model, device, enabled=wanted(a.reference_offload, device))
+    reference_parked = ParkedModule(models.ref_model, device, enabled=wanted(a.reference_offload, device))
     reference_parked.out()
     optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload))
     optimizer_parked.out()  # (no state before the first step)
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
-    ahead = None
-    if cfg.rollout.max_staleness:
-        # generation ahead of the update samples from the copy; the trainer's own built-in
-        # engine, on the current weights, serves evaluation
-        if cfg.rollout.engine_address:  # an engine service's process, on another machine
-            load = functools.partial(generation_engine, cfg, model_path, dtype=dtype, rollout_dtype=rollout_dtype)
-            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
-        elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
-            where = cfg.rollout.engine_device or str(device)
-            share = torch.device(where).type == "cpu" and device.type == "cpu"
-            load = functools.partial(generation_engine, cfg, model_path, where, dtype, rollout_dtype, share)
-            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
-        else:
-            generator = build_engine(
-                cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
-                vision=family, report_log_probs=True, device=device,
-            )  # fmt: skip
-        agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
-        # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
-        # group of their own, so that they never interleave with the update's
-        ahead = Ahead(shadow, generator, agent, SingleTurn(generator), ranks.fork())
-        engine = build_engine(
-            replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report
-        )
-    else:
-        engine = build_engine(
-            cfg.rollout,
-            model,
-            tokenizer,
-            model_path=model_path,
-            seed=cfg.trainer.seed,
-            dtype=rollout_dtype,
-            vision=family,
-            report_log_probs=report,
-            sharded=policy if policy is not model else None,  # each rank's engine, fed layer by layer
-            device=device,
-        )
-    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
-    updater = PolicyUpdater(
-        a,
-        temperature=cfg.rollout.temperature,
-        pad_token_id=engine.pad_token_id,
-        skip_nonfinite=cfg.trainer.skip_nonfinite_loss,
-        compute_dtype=compute_dtype,
-        rollout_is=rollout_is,
-        rollout_is_cap=cfg.algorithm.rollout_is_cap,
-        rollout_is_mode=cfg.algorithm.rollout_is_mode,
-        rollout_is_lower=cfg.algorithm.rollout_is_lower or None,
-        norm_length=norm_length(cfg),
-        vision=family,
-        ranks=ranks,
-    )
+    engine, agent, ahead = make_engines(cfg, models, device, precision, ranks, report)
     return Parts(
-        cfg=cfg,
-        plan=plan,
-        meter=PeakMeter(device),
-        run_dir=run_dir,
-        train_samples=train_samples,
-        val_samples=val_samples,
-        breakdown=breakdown,
-        device=device,
-        ranks=ranks,
-        reward=reward,
-        dtype=dtype,
-        compute_dtype=compute_dtype,
-        rollout_dtype=rollout_dtype,
-        engine_differs=engine_differs,
-        rollout_is=rollout_is,
-        tokenizer=tokenizer,
-        model=model,
-        is_lora=is_lora,
-        vision=vision,
-        family=family,
-        encoder=encoder,
-        train_prompts=train_prompts,
-        val_prompts=val_prompts,
-        prompt_stats=prompt_stats,
-        sampler=sampler,
-        total_steps=total_steps,
-        ref_model=ref_model,
-        policy=policy,
-        params=params,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        engine=engine,
-        agent=agent,
-        single_turn=SingleTurn(engine),
+        cfg=cfg, plan=plan, meter=PeakMeter(device), run_dir=run_dir, train_samples=train_samples,
+        val_samples=val_samples, breakdown=breakdown, device=device, ranks=ranks, reward=reward,
+        dtype=precision.dtype, compute_dtype=precision.compute, rollout_dtype=precision.rollout,
+        engine_differs=engine_differs, rollout_is=rollout_is, tokenizer=tokenizer, model=model,
+        is_lora=cfg.model.lora.rank > 0, vision=vision, family=models.loaded.family, encoder=encoder,
+        train_prompts=train_prompts, val_prompts=val_prompts, prompt_stats=prompt_stats, sampler=sampler,
+        total_steps=total_steps, ref_model=models.ref_model, policy=models.policy, params=params,
+        optimizer=optimizer, scheduler=scheduler, engine=engine, agent=agent, single_turn=SingleTurn(engine),
         streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
-        updater=updater,
-        reference_parked=reference_parked,
-        optimizer_parked=optimizer_parked,
-        ahead=ahead,
-    )
+        updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks),
+        reference_parked=reference_parked, optimizer_parked=optimizer_parked, ahead=ahead,
+    )  # fmt: skip

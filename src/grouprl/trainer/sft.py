@@ -47,17 +47,13 @@ from grouprl.trainer.export import export_model
 from grouprl.trainer.head_stats import chunked_token_stats
 from grouprl.trainer.loggers import ConsoleLogger, make_loggers
 from grouprl.trainer.models import (
-    load_causal_lm,
-    load_tokenizer,
+    load_policy,
     resolve_device,
     resolve_dtype,
-    resolve_model_path,
     shape_stable_attention,
 )
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.sft_data import Conversation, TokenizedConversation, load_conversations, tokenize_all
-from grouprl.vision.families import is_vision_config
-from grouprl.vision.processor import VisionProcessor
 
 log = logging.getLogger(__name__)
 
@@ -351,150 +347,172 @@ def preview(
 # -- the run ------------------------------------------------------------------------------
 def run_sft(cfg: Config) -> dict:
     """Fine-tune `cfg.model` on `cfg.sft`'s conversations and save it; returns a summary."""
-    s = cfg.sft
-    validate_sft(s)
-    random.seed(s.seed)
-    torch.manual_seed(s.seed)
-    out = Path(s.output_dir)
-    # data errors before the model loads
-    train_conversations, val_conversations = load_sft_conversations(s, cfg.data.system_prompt)
-    check_val_rl(cfg)
-    held_out = load_samples(s.val_rl_files, max_samples=s.val_rl_max_samples) if s.val_rl_files else []
-    for sample in held_out:  # the prompts training sees
-        sample.messages = with_system_prompt(sample.messages, cfg.data.system_prompt)
-    # reward mistakes (a missing file, an unknown judge) before the model loads too
-    reward = CompositeReward.from_config(reward_config(cfg), run_dir=out) if held_out else None
+    run = SFTRun(cfg)
+    run.evaluate_start()
+    run.train()
+    return run.finish()
 
-    device = resolve_device(cfg.trainer.device)
-    shape_stable_attention(device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    model_path = resolve_model_path(cfg.model)
-    tokenizer = load_tokenizer(cfg.model, model_path)
-    model = load_causal_lm(cfg.model, model_path, device, dtype)
-    pad_id = tokenizer.pad_token_id
-    vision = (
-        VisionProcessor.load(
-            model_path,
-            model.config,
-            tokenizer,
-            min_pixels=cfg.data.image_min_pixels,
-            max_pixels=cfg.data.image_max_pixels,
-            trust_remote_code=cfg.model.trust_remote_code,
+
+class SFTRun:
+    """One SFT run: data and the model loaded (data errors before the model loads), then
+    evaluations before and after, the training steps, and the export."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.s = s = cfg.sft
+        validate_sft(s)
+        random.seed(s.seed)
+        torch.manual_seed(s.seed)
+        self.out = Path(s.output_dir)
+        # data errors before the model loads
+        train_conversations, val_conversations = load_sft_conversations(s, cfg.data.system_prompt)
+        check_val_rl(cfg)
+        self.held_out = load_samples(s.val_rl_files, max_samples=s.val_rl_max_samples) if s.val_rl_files else []
+        for sample in self.held_out:  # the prompts training sees
+            sample.messages = with_system_prompt(sample.messages, cfg.data.system_prompt)
+        # reward mistakes (a missing file, an unknown judge) before the model loads too
+        self.reward = CompositeReward.from_config(reward_config(cfg), run_dir=self.out) if self.held_out else None
+
+        device = resolve_device(cfg.trainer.device)
+        shape_stable_attention(device)
+        loaded = load_policy(cfg, device, resolve_dtype(cfg.model.dtype, device))
+        self.model, self.tokenizer, self.vision, self.family = loaded.model, loaded.tokenizer, loaded.vision, loaded.family
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.vision is None and any(sample.images for sample in self.held_out):
+            raise DataError(f"sft.val_rl_files have images but model.path '{cfg.model.path}' is a text-only model")
+        self.train_rows, self.val_rows, self.train_counts = self._tokenize(train_conversations, val_conversations)
+        self.total_steps = s.max_steps or s.epochs * math.ceil(len(self.train_rows) / s.batch_size)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, s.optim)
+        self.scheduler = build_scheduler(self.optimizer, s.optim, self.total_steps)
+        self._prepare_folder()
+        self._open_logs(val_conversations[: s.preview_samples])
+
+    def _tokenize(self, train_conversations, val_conversations):
+        s = self.s
+        train, train_counts = tokenize_all(self.tokenizer, train_conversations, s.max_length, s.overflow, self.vision)
+        val, _ = tokenize_all(self.tokenizer, val_conversations, s.max_length, s.overflow, self.vision)
+        if s.eval_max_conversations:
+            val = val[: s.eval_max_conversations]
+        if not train:
+            raise ConfigError(f"every training conversation is longer than sft.max_length={s.max_length} tokens")
+        if train_counts["skipped"] or train_counts["truncated"]:
+            log.warning(
+                "training conversations over %d tokens: %d skipped, %d truncated",
+                s.max_length,
+                train_counts["skipped"],
+                train_counts["truncated"],
+            )
+        return train, val, train_counts
+
+    def _prepare_folder(self) -> None:
+        out = self.out
+        out.mkdir(parents=True, exist_ok=True)
+        CheckpointManager(out, keep_last=0).sweep((out / "model",))  # an export a killed run left half-written
+        for stale in ("metrics.jsonl", "samples.jsonl", "answers.jsonl"):  # a rerun in the same folder starts them afresh
+            (out / stale).unlink(missing_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+
+    def _open_logs(self, previews: list[Conversation]) -> None:
+        cfg, out = self.cfg, self.out
+        self.loggers = make_loggers(
+            self.s.loggers,
+            out,
+            total_steps=self.total_steps,
+            start_step=0,
+            project=cfg.trainer.project_name,
+            experiment=out.name,
+            config=to_dict(cfg),
         )
-        if is_vision_config(model.config)
-        else None
-    )
-    family = vision.family if vision is not None else None
-    if vision is None and any(sample.images for sample in held_out):
-        raise DataError(f"sft.val_rl_files have images but model.path '{cfg.model.path}' is a text-only model")
+        self.console = next((logger for logger in self.loggers if isinstance(logger, ConsoleLogger)), None)
+        if self.console is not None:
+            self.console.KEYS = CONSOLE_KEYS
+        self.previews = previews
+        self.samples_file = (out / "samples.jsonl").open("a", encoding="utf-8")
+        self.answers_file = (out / "answers.jsonl").open("a", encoding="utf-8") if self.held_out else None
+        self.summary: dict = {
+            "steps": self.total_steps,
+            "train_conversations": len(self.train_rows),
+            "train_tokens": 0,  # every token the model read
+            "train_target_tokens": 0,  # the trained ones
+            "skipped": self.train_counts["skipped"],
+            "truncated": self.train_counts["truncated"],
+        }
 
-    train, train_counts = tokenize_all(tokenizer, train_conversations, s.max_length, s.overflow, vision)
-    val, _ = tokenize_all(tokenizer, val_conversations, s.max_length, s.overflow, vision)
-    if s.eval_max_conversations:
-        val = val[: s.eval_max_conversations]
-    if not train:
-        raise ConfigError(f"every training conversation is longer than sft.max_length={s.max_length} tokens")
-    if train_counts["skipped"] or train_counts["truncated"]:
-        log.warning(
-            "training conversations over %d tokens: %d skipped, %d truncated",
-            s.max_length,
-            train_counts["skipped"],
-            train_counts["truncated"],
-        )
-    total_steps = s.max_steps or s.epochs * math.ceil(len(train) / s.batch_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, s.optim)
-    scheduler = build_scheduler(optimizer, s.optim, total_steps)
-
-    out.mkdir(parents=True, exist_ok=True)
-    CheckpointManager(out, keep_last=0).sweep((out / "model",))  # an export a killed run left half-written
-    for stale in ("metrics.jsonl", "samples.jsonl", "answers.jsonl"):  # a rerun in the same folder starts them afresh
-        (out / stale).unlink(missing_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    loggers = make_loggers(
-        s.loggers,
-        out,
-        total_steps=total_steps,
-        start_step=0,
-        project=cfg.trainer.project_name,
-        experiment=out.name,
-        config=to_dict(cfg),
-    )
-    console = next((logger for logger in loggers if isinstance(logger, ConsoleLogger)), None)
-    if console is not None:
-        console.KEYS = CONSOLE_KEYS
-
-    def log_all(metrics: dict, step: int) -> None:
-        for logger in loggers:
+    def log_all(self, metrics: dict, step: int) -> None:
+        for logger in self.loggers:
             logger.log(metrics, step)
 
-    previews = val_conversations[: s.preview_samples]
-    samples_file = (out / "samples.jsonl").open("a", encoding="utf-8")
-
-    def write_previews(when: str, metrics: dict) -> None:
-        records = preview(model, tokenizer, previews, s.preview_max_tokens, vision)
+    def write_previews(self, when: str, metrics: dict) -> None:
+        records = preview(self.model, self.tokenizer, self.previews, self.s.preview_max_tokens, self.vision)
         for r in records:
-            samples_file.write(json.dumps({"when": when, **r}, ensure_ascii=False) + "\n")
+            self.samples_file.write(json.dumps({"when": when, **r}, ensure_ascii=False) + "\n")
         for key in ("protocol", "exact"):  # share of protocol-shaped turns, of turns equal to the gold one
-            summary[f"{key}_rate_{when}"] = metrics[f"eval/{key}_rate"] = sum(r[key] for r in records) / len(
-                records
-            )
+            rate = sum(r[key] for r in records) / len(records)
+            self.summary[f"{key}_rate_{when}"] = metrics[f"eval/{key}_rate"] = rate
 
-    answers_file = (out / "answers.jsonl").open("a", encoding="utf-8") if held_out else None
-
-    def held_out_accuracy(step: int, metrics: dict) -> float:
+    def held_out_accuracy(self, step: int, metrics: dict) -> float:
         """Greedy answers to the RL held-out prompts, scored; their lines in answers.jsonl."""
-        answers = answer_held_out(
-            model, tokenizer, vision, held_out, cfg, progress=console.chunk if console is not None else None
-        )
+        cfg = self.cfg
+        progress = self.console.chunk if self.console is not None else None
+        answers = answer_held_out(self.model, self.tokenizer, self.vision, self.held_out, cfg, progress=progress)
         answered = [a for a in answers if isinstance(a, Trajectory)]
         if not answered:
             raise DataError(
                 f"every sft.val_rl_files prompt is longer than data.max_prompt_length={cfg.data.max_prompt_length} tokens"
             )
-        reward.score(answered)
+        self.reward.score(answered)
         metrics.update(metrics_of(rows_of(answered, cfg.reward.val_metric), prefix="eval"))
         for a in answers:
             record = answer_record(a, cfg.reward.val_metric) if isinstance(a, Trajectory) else skipped_record(a)
-            answers_file.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
-        answers_file.flush()
+            self.answers_file.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
+        self.answers_file.flush()
         return metrics["eval/accuracy"]
 
-    summary: dict = {
-        "steps": total_steps,
-        "train_conversations": len(train),
-        "train_tokens": 0,  # every token the model read
-        "train_target_tokens": 0,  # the trained ones
-        "skipped": train_counts["skipped"],
-        "truncated": train_counts["truncated"],
-    }
-    start_metrics = {"data/skipped": train_counts["skipped"], "data/truncated": train_counts["truncated"]}
-    if val:
-        summary["eval_loss_before"] = start_metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
-    if held_out:
-        summary["accuracy_before"] = held_out_accuracy(0, start_metrics)
-    if previews:
-        write_previews("before", start_metrics)
-    log_all(start_metrics, 0)
+    def eval_loss(self) -> float:
+        return mean_nll(self.model, self.val_rows, self.pad_id, self.s, self.family)
 
-    model.train()
-    started, started_cpu = time.perf_counter(), time.process_time()
-    losses = []
-    for step, index in enumerate(batches_for(len(train), s, total_steps), start=1):
+    def evaluate_start(self) -> None:
+        metrics = {"data/skipped": self.train_counts["skipped"], "data/truncated": self.train_counts["truncated"]}
+        if self.val_rows:
+            self.summary["eval_loss_before"] = metrics["eval/loss"] = self.eval_loss()
+        if self.held_out:
+            self.summary["accuracy_before"] = self.held_out_accuracy(0, metrics)
+        if self.previews:
+            self.write_previews("before", metrics)
+        self.log_all(metrics, 0)
+
+    def train(self) -> None:
+        s, total_steps = self.s, self.total_steps
+        self.model.train()
+        self.started, self.started_cpu = time.perf_counter(), time.process_time()
+        self.losses = []
+        for step, index in enumerate(batches_for(len(self.train_rows), s, total_steps), start=1):
+            metrics = self.step([self.train_rows[i] for i in index])
+            if s.eval_freq and step % s.eval_freq == 0 and step != total_steps:
+                if self.val_rows:
+                    metrics["eval/loss"] = self.eval_loss()
+                if self.held_out:
+                    self.held_out_accuracy(step, metrics)
+            self.log_all(metrics, step)
+            if "console" not in s.loggers:
+                log.info("sft step %d/%d loss %.4f", step, total_steps, metrics["train/loss"])
+
+    def step(self, batch: list[TokenizedConversation]) -> dict:
+        """One optimizer step on `batch`; its metrics."""
         t0 = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        optimizer.zero_grad(set_to_none=True)
-        batch = [train[i] for i in index]
-        loss, targets = train_step(model, batch, pad_id, s, family)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, targets = train_step(self.model, batch, self.pad_id, self.s, self.family)
         tokens = sum(len(r.input_ids) for r in batch)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.optim.grad_clip or float("inf")))
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss)
-        summary["train_tokens"] += tokens
-        summary["train_target_tokens"] += targets
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.s.optim.grad_clip or float("inf")))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.losses.append(loss)
+        self.summary["train_tokens"] += tokens
+        self.summary["train_target_tokens"] += targets
         elapsed = time.perf_counter() - t0
-        metrics = {
+        return {
             "train/loss": loss,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
@@ -503,42 +521,38 @@ def run_sft(cfg: Config) -> dict:
             "time/step": elapsed,
             "perf/tokens_per_s": tokens / elapsed,
         }
-        if s.eval_freq and step % s.eval_freq == 0 and step != total_steps:
-            if val:
-                metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
-            if held_out:
-                held_out_accuracy(step, metrics)
-        log_all(metrics, step)
-        if "console" not in s.loggers:
-            log.info("sft step %d/%d loss %.4f", step, total_steps, loss)
 
-    end_metrics: dict = {}
-    if val:
-        summary["eval_loss_after"] = end_metrics["eval/loss"] = mean_nll(model, val, pad_id, s, family)
-    if held_out:
-        summary["accuracy_after"] = held_out_accuracy(total_steps, end_metrics)
-        answers_file.close()
-        reward.close()
-    if previews:
-        write_previews("after", end_metrics)
-    log_all(end_metrics, total_steps)
-    samples_file.close()
-    for logger in loggers:
-        logger.close()
-    summary.update(
-        first_loss=losses[0],
-        last_loss=losses[-1],
-        train_seconds=time.perf_counter() - started,
-        train_cpu_seconds=time.process_time() - started_cpu,  # what a shared machine's wall time hides
-    )
-    summary["model"] = str(
-        export_model(
-            model,
-            tokenizer,
-            out / "model",
-            merge_lora=s.merge_lora,
-            meta={"sft": {k: v for k, v in summary.items() if k != "model"}},
-            processor=vision,
+    def finish(self) -> dict:
+        """The last evaluation, the logs closed, and the model exported; the summary."""
+        summary, metrics = self.summary, {}
+        if self.val_rows:
+            summary["eval_loss_after"] = metrics["eval/loss"] = self.eval_loss()
+        if self.held_out:
+            summary["accuracy_after"] = self.held_out_accuracy(self.total_steps, metrics)
+            self.answers_file.close()
+            self.reward.close()
+        if self.previews:
+            self.write_previews("after", metrics)
+        self.log_all(metrics, self.total_steps)
+        self.samples_file.close()
+        for logger in self.loggers:
+            logger.close()
+        summary.update(
+            first_loss=self.losses[0],
+            last_loss=self.losses[-1],
+            train_seconds=time.perf_counter() - self.started,
+            train_cpu_seconds=time.process_time() - self.started_cpu,  # what a shared machine's wall time hides
         )
-    )
-    return summary
+        summary["model"] = str(
+            export_model(
+                self.model,
+                self.tokenizer,
+                self.out / "model",
+                merge_lora=self.s.merge_lora,
+                meta={"sft": {k: v for k, v in summary.items() if k != "model"}},
+                processor=self.vision,
+            )
+        )
+        return summary
+
+
