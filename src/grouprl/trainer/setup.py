@@ -448,21 +448,21 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
         shadow = models.copy
         if cfg.rollout.engine_address:  # an engine service's process, on another machine
             load = functools.partial(generation_engine, cfg, path, dtype=precision.dtype, rollout_dtype=precision.rollout)
-            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
+            ahead_engine = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
         elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
             where = cfg.rollout.engine_device or str(device)
             share = torch.device(where).type == "cpu" and device.type == "cpu"
             load = functools.partial(generation_engine, cfg, path, where, precision.dtype, precision.rollout, share)
-            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
+            ahead_engine = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
         else:
-            generator = build_engine(
+            ahead_engine = build_engine(
                 cfg.rollout, shadow, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
                 vision=family, report_log_probs=True, device=device,
             )  # fmt: skip
-        agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+        agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's
-        ahead = Ahead(shadow, generator, agent, SingleTurn(generator), ranks.fork())
+        ahead = Ahead(shadow, ahead_engine, agent, SingleTurn(ahead_engine), ranks.fork())
         engine = build_engine(replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report)
     else:
         engine = build_engine(
