@@ -69,9 +69,19 @@ def test_the_same_samples_and_groups_as_the_engine_here(local, remote):
     got = remote.generate(prompts, 2, SAMPLE, there, on_group_done=lambda i, gens: groups.append((i, generation_rows(gens))))
     assert generation_rows(got) == generation_rows(want) and len({tuple(g.token_ids) for g in want}) > 3
     assert sorted(groups) == [(i, generation_rows(want[2 * i : 2 * i + 2])) for i in range(3)]  # each group, as it ended
-    assert (there._drawn == here._drawn).all() and here._drawn.sum() > 0  # the streams went on as here
+    assert (there.state() == here.state()).all() and here.state().sum() > 0  # the streams went on as here
     # a second call continues the streams where the first left them
     assert generation_rows(remote.generate(prompts, 2, SAMPLE, there)) == generation_rows(local.generate(prompts, 2, SAMPLE, here))
+
+
+def test_the_engine_process_answers_what_callers_ask(local, remote):
+    from grouprl.rollout.engines.base import RolloutEngine
+
+    assert isinstance(remote, RolloutEngine)  # every member of the interface
+    assert remote.reads_trainer_weights is False and remote.last_sleep_freed_bytes == 0
+    pushed = remote.push_seconds
+    remote.weights_updated(local.model)
+    assert remote.push_seconds > pushed
 
 
 def test_turns_keep_their_contexts_there_while_new_weights_arrive(local, remote):

@@ -454,6 +454,21 @@ def test_production_sleeps_on_cuda_only(fake_vllm, monkeypatch):
     assert engine.llm.events == PUSH
 
 
+def test_the_engine_answers_what_callers_ask(fake_vllm):
+    from grouprl.rollout.engines.base import RolloutEngine
+
+    engine, model = engine_on_fake(0)
+    assert isinstance(engine, RolloutEngine)  # every member of the interface
+    assert engine.reads_trainer_weights is False  # a copy of its own, pushed to
+    pushed = engine.push_seconds
+    assert pushed > 0  # the start's push
+    engine.weights_updated(moved(model, 3))
+    assert engine.push_seconds > pushed and engine.last_sleep_freed_bytes == 0
+    engine.close()  # in-process: nothing ends
+    engine.generate([[3, 4]], 1, SamplingParams(max_new_tokens=3))
+    assert engine.llm.events == [*PUSH, *PUSH, ("generate", 1.0, ())]
+
+
 def test_tensor_parallelism_is_refused_in_one_line(fake_vllm):
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size must be 1"):
         engine_on_fake(1, tensor_parallel_size=2)

@@ -274,7 +274,7 @@ def test_a_groups_samples_take_one_copy_of_each_image(tmp_path, monkeypatch, cap
     model, tokenizer, vision = build("qwen2_vl", tmp_path, max_pixels=448 * 448)
     engine = VLLMEngine(model, tokenizer, str(tmp_path), EngineSettings, max_model_len=1024, vision=vision.family)
     processed = []  # bytes of each image vLLM processed for a request
-    check = engine._check
+    check = engine.images.check
 
     def counting(i, prompt, images, request):
         for item in request["mm_kwargs"].get("image", []):
@@ -282,7 +282,7 @@ def test_a_groups_samples_take_one_copy_of_each_image(tmp_path, monkeypatch, cap
                 processed.append(sum(item[name].data.nbytes for name in item))
         return check(i, prompt, images, request)
 
-    monkeypatch.setattr(engine, "_check", counting)
+    monkeypatch.setattr(engine.images, "check", counting)
     k, params = 8, SamplingParams(max_new_tokens=4, temperature=1.0)
     figures = {}
     for run, n in enumerate((1, 1, 8)):  # the first warms up

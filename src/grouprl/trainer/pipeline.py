@@ -42,7 +42,6 @@ import torch
 
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.devices import use_device
-from grouprl.rollout.engines.process import EngineProcess
 from grouprl.trainer.parallel import full_tensor
 from grouprl.trainer.step import Collector, StepBatch
 
@@ -200,8 +199,7 @@ class RolloutPipeline:
         for thread in self.threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=10)
-        if isinstance(self.engine, EngineProcess):  # rollout.engine_process: it ends with the run
-            self.engine.close()
+        self.engine.close()  # rollout.engine_process: it ends with the run (an in-process engine: nothing)
 
     # ------------------------------------------------------------------ schedule
     def needed(self, step: int) -> int:

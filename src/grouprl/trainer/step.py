@@ -42,7 +42,6 @@ from grouprl.rewards.composite import groups_to_drop
 from grouprl.rewards.failures import rewards_down
 from grouprl.rewards.streaming import batch_summary, combine
 from grouprl.rollout.engines import SamplingParams, rollout_phase
-from grouprl.rollout.engines.hf import HFEngine
 from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.models import autocast
@@ -109,7 +108,7 @@ def policy_for_generation(engine, policy):
     weights whole for the rollout (`gathered`); an engine with its own copy (vLLM) needs nothing
     of them, and the ranks do not hold the whole model beside it. (`policy`: the asynchronous
     rollout's own whole copy, or the trainer's policy.)"""
-    return gathered(policy) if isinstance(engine, HFEngine) else contextlib.nullcontext()
+    return gathered(policy) if engine.reads_trainer_weights else contextlib.nullcontext()
 
 
 def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
@@ -221,7 +220,7 @@ class Collector:
         self._step, self._calls = step, 0
         p = self.p
         started = time.perf_counter()
-        pushed = getattr(p.engine, "push_seconds", None)  # an engine with its own copy of the weights
+        pushed = None if p.engine.reads_trainer_weights else p.engine.push_seconds  # an engine with its own copy
         if self.judge_tallies_per_batch:
             p.reward.failure_report()  # an evaluation's judge calls are not this step's
         out = StepBatch(step=step, version=step if version is None else version, samples=[], prompts=[],
@@ -490,9 +489,9 @@ class Learner:
         metrics["time/weight_sync"] = t_synced - t_update
         # pushes, wherever they ran (a sleeping engine pushes when it wakes); asynchronous runs
         # push on the generation side, between batches (the pipeline reports them)
-        if batch.pushed_before is not None and hasattr(p.engine, "push_seconds"):
+        if batch.pushed_before is not None and not p.engine.reads_trainer_weights:
             metrics["time/weight_push"] = p.engine.push_seconds - batch.pushed_before
-            metrics["perf/engine_freed_gb"] = getattr(p.engine, "last_sleep_freed_bytes", 0) / 1024**3
+            metrics["perf/engine_freed_gb"] = p.engine.last_sleep_freed_bytes / 1024**3
 
         kept = batch.real  # the pads' work is done
         prompts = batch.prompts[: real // n]

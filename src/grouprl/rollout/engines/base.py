@@ -10,6 +10,11 @@ its refills, or an evaluation. An engine that gives the accelerator's memory bac
 rollouts (vLLM's sleep mode) sleeps at the end and wakes at the beginning, never between the
 turns or chunks of one rollout. Nothing is re-tokenized on the way: prompts go in as ids,
 responses come back as the ids the engine sampled.
+
+Callers ask an engine only what the interface declares: whether it reads the trainer's weights
+in place (`reads_trainer_weights`), the time its pushes took (`push_seconds`), the memory its
+last sleep gave back (`last_sleep_freed_bytes`), and to end what it holds (`close`). Which class
+an engine is stays inside this package.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -65,12 +70,29 @@ class Session(Protocol):
         ...
 
 
+@runtime_checkable  # isinstance(x, RolloutEngine): x has every member below (the tests check each engine)
 class RolloutEngine(Protocol):
     model: torch.nn.Module  # the trainer's policy (an engine with its own copy syncs from it)
     tokenizer: Any
     eos_token_ids: list[int]
     pad_token_id: int
     prefill_tokens: int  # tokens fed to the model so far (what KV reuse / prefix caching saves)
+
+    reads_trainer_weights: bool
+    """True: the engine samples from `model` itself, the module it was given (the built-in
+    engine), so its weights are read in place: nothing is pushed, and on several ranks the
+    trainer's sharded weights must be whole around a rollout (the trainer's `gathered`). False:
+    it holds a copy of its own (vLLM, an engine process), which `weights_updated` pushes into."""
+
+    push_seconds: float
+    """Seconds spent pushing weights into the engine's own copy since it started, in all (a
+    sleeping engine pushes when it wakes, so a rollout may hold a push); 0.0 where the engine
+    reads the trainer's weights. The trainer's `time/weight_push` is its growth over a step."""
+
+    last_sleep_freed_bytes: int
+    """The accelerator memory the engine's last sleep gave back (`end_rollout`), measured on
+    CUDA; 0 where it does not sleep, sleeps off CUDA, or runs in another process. The trainer's
+    `perf/engine_freed_gb`."""
 
     @property
     def device(self) -> torch.device:
@@ -106,6 +128,11 @@ class RolloutEngine(Protocol):
 
     def end_rollout(self) -> None:
         """The rollout is over: until the next one, the update may have the accelerator's memory."""
+        ...
+
+    def close(self) -> None:
+        """The run is over: end what the engine holds outside this process (an engine process
+        stops). An in-process engine has nothing of that kind, and does nothing."""
         ...
 
 

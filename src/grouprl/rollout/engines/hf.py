@@ -145,6 +145,10 @@ class HFEngine:
     """RolloutEngine over the trainer's own transformers model (CPU and GPU): nothing to sync
     after an update, the next rollout runs on the weights the update left."""
 
+    reads_trainer_weights = True  # RolloutEngine: it generates with `model` itself
+    push_seconds = 0.0  # nothing is ever pushed
+    last_sleep_freed_bytes = 0  # it never sleeps
+
     def __init__(
         self,
         model,
@@ -448,6 +452,9 @@ class HFEngine:
 
     def end_rollout(self) -> None:
         """Nothing to give back."""
+
+    def close(self) -> None:
+        """Nothing to end: the model is the trainer's."""
 
 
 class KVSession:

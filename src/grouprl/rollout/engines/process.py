@@ -43,7 +43,6 @@ from collections.abc import Callable
 from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -195,7 +194,8 @@ def _receive_weights(conn, meta, params: dict, device: torch.device, group=None)
 
 
 def _drawn(generator: Randomness):
-    return generator._drawn if isinstance(generator, RowStreams) else None
+    """How far the request's row streams went (`RowStreams.state`), for the trainer's side."""
+    return generator.state() if isinstance(generator, RowStreams) else None
 
 
 def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], backend: str = "connection",
@@ -302,6 +302,9 @@ class EngineProcess:
     changes (pushed after the first, whole push); `build`: a picklable callable the engine
     process runs to load its copy and engine (called with `device=` the service's, where
     `address` names one); `device`: the trainer's."""
+
+    reads_trainer_weights = False  # RolloutEngine: the engine process holds a copy of its own
+    last_sleep_freed_bytes = 0  # a sleep there frees that process's device memory, not measured here
 
     def __init__(self, model: torch.nn.Module, tokenizer, build: Callable, changing: list[str], device,
                  engine_device=None, address: str | None = None, weights: str | None = None):  # fmt: skip
@@ -469,7 +472,7 @@ class EngineProcess:
                 return message[1]
             _, result, drawn, prefill = message
             if drawn is not None and isinstance(generator, RowStreams):  # the rows' streams went on there
-                np.copyto(generator._drawn, drawn)
+                generator.restore(drawn)
             self.prefill_tokens = prefill
             return result
 

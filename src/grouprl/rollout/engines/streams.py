@@ -55,6 +55,20 @@ class RowStreams:
         view._rows = self._rows[np.asarray(list(rows), dtype=np.int64)]
         return view
 
+    def state(self) -> np.ndarray:
+        """How far each row's stream has gone: its draws so far ([K] uint64, every row of the
+        streams, also from a view), a copy. The seed and keys are fixed when the streams are made;
+        this is all that changes."""
+        return self._drawn.copy()
+
+    def restore(self, state: np.ndarray) -> None:
+        """Every row's stream goes on from `state` (what `state()` gave, here or from a copy of
+        these streams elsewhere, e.g. an engine process that drew from them); views share it."""
+        state = np.asarray(state)
+        if state.shape != self._drawn.shape:
+            raise ValueError(f"a state of {state.shape[0] if state.ndim else 0} rows for {len(self._drawn)} row streams")
+        np.copyto(self._drawn, state.astype(np.uint64, copy=False))
+
     def uniform(self, device=None, dtype=torch.float32) -> torch.Tensor:
         """One draw per row in [0, 1) -> [A], advancing each row's stream."""
         rows = self._rows
