@@ -80,13 +80,7 @@ class RolloutConfig:
         need(0 < self.gpu_memory_utilization <= 1, "config key 'rollout.gpu_memory_utilization' must be in (0, 1]")
         need(self.kv_cache_gb >= 0, "config key 'rollout.kv_cache_gb' must be >= 0 (0 = from the share)")
         need(self.tensor_parallel_size >= 1, "config key 'rollout.tensor_parallel_size' must be >= 1")
-        need(
-            self.tensor_parallel_size == 1 or self.engine != "vllm",
-            "config key 'rollout.tensor_parallel_size' must be 1: every rank runs its own vllm engine in its "
-            "process, holding the whole model on its GPU, so the model's bf16 weights, its KV cache and the rank's "
-            "shards must fit one GPU (the weights take about 2 bytes a parameter, 15 GB for a 7B model; README's "
-            "memory plan); an engine sharded over several GPUs is not supported",
-        )
+        # tensor_parallel_size > 1 with engine=vllm: config/rules.py (a loaded tree's check only)
         need(self.max_model_len >= 0, "config key 'rollout.max_model_len' must be >= 0 (0 = the model's)")
 
     def _check_asynchronous(self) -> None:

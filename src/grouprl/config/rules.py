@@ -1,6 +1,8 @@
-"""The rules that span sections: the one place that checks settings of more than one section
-together. Each section checks its own fields when it is made (its `__post_init__`), so a
-loaded tree reaches these rules with every section already valid on its own."""
+"""The checks of a loaded tree as a whole: the rules that span sections (the one place that
+checks settings of more than one section together), and two checks of one section that must
+not run whenever the section is made (`_engine_shards` and `_val_metric` say why). Each
+section checks its own fields when it is made (its `__post_init__`), so a loaded tree reaches
+these rules with every section already valid on its own."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from .tree import Config
 
 
 def validate(cfg: Config) -> Config:
-    """The cross-section rules, one ConfigError line for the first one broken; returns `cfg`."""
+    """The loaded tree's rules, one ConfigError line for the first one broken; returns `cfg`."""
+    _engine_shards(cfg)
     need(
         cfg.rollout.max_staleness == 0 or cfg.model.quantization == "none",
         f"config key 'rollout.max_staleness' must be 0 with model.quantization={cfg.model.quantization}: "
@@ -40,10 +43,24 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _engine_shards(cfg: Config) -> None:
+    """rollout.tensor_parallel_size with engine=vllm. Not the rollout section's own check: the
+    vllm engine refuses it itself, with its own line, where the section was made in code or where
+    an `auto` engine becomes vllm on the device (`settle_for_devices`); a loaded tree gets this
+    line before anything loads."""
+    need(
+        cfg.rollout.tensor_parallel_size == 1 or cfg.rollout.engine != "vllm",
+        "config key 'rollout.tensor_parallel_size' must be 1: every rank runs its own vllm engine in its "
+        "process, holding the whole model on its GPU, so the model's bf16 weights, its KV cache and the rank's "
+        "shards must fit one GPU (the weights take about 2 bytes a parameter, 15 GB for a 7B model; README's "
+        "memory plan); an engine sharded over several GPUs is not supported",
+    )
+
+
 def _val_metric(cfg: Config) -> None:
     """reward.val_metric is what a run's evaluation reports (the trainer's, `grouprl sft`'s held-out
-    answers), so it is checked with the run's whole config: the rewards room makes reward
-    sections of its own, which have no evaluation to name a component for."""
+    answers). Not the reward section's own check: the rewards room makes reward sections of its
+    own, with no evaluation to name a component for."""
     names = [c.name for c in cfg.reward.components]
     need(
         cfg.reward.val_metric in names or cfg.reward.val_metric == "reward",
