@@ -9,7 +9,7 @@ import inspect
 import textwrap
 import typing
 
-from .tree import Config, to_dict
+from .tree import Config, field_default, to_dict
 
 
 @functools.cache
@@ -32,18 +32,18 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def explain(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every setting as `key = default  # doc`, depth first."""
+    """Every setting as `key = default  # doc`, depth first. Defaults are read from the fields,
+    without making a section (whose checks would import the algorithms' registries)."""
     lines: list[str] = []
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
-    obj = cls()
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        value = getattr(obj, f.name)
         if dataclasses.is_dataclass(hints[f.name]):
             lines.append(f"# {key}: {docs.get(f.name, '')}")
             lines.extend(explain(hints[f.name], key + "."))
         else:
+            value = field_default(cls, f.name)
             lines.append(f"{key} = {to_dict(value)!r}  # {docs.get(f.name, '')}")
             item = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is list else None
             if dataclasses.is_dataclass(item):  # e.g. reward.components: document each item's keys
