@@ -12,7 +12,7 @@ grouprl (with why), or not taken (with the nearest setting). Every setting the s
 is written at verl's default (config.VERL_DEFAULTS), not the demo recipe's; the reward is verl's
 default scorer for the data's `data_source` (rewards/rules.py `verl_scorer`), written out.
 
-The translation table is config.py's (VERL_KEYS, VALUES, NO_EFFECT, GATES, NEAREST,
+The translation table is config/verl.py's (VERL_KEYS, VALUES, NO_EFFECT, GATES, NEAREST,
 VERL_DEFAULTS): the same one `grouprl train` uses for verl overrides.
 """
 

@@ -21,6 +21,17 @@ class ModelLoadError(UserError):
     """A model path or id that cannot be loaded."""
 
 
+def need(ok: bool, message: str) -> None:
+    """A setting's check: ConfigError(message), one line, unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def one_of(key: str, value: str, allowed) -> None:
+    """`value` of config key `key` must be one of `allowed` (named sorted in the message)."""
+    need(value in allowed, f"config key '{key}' must be one of {', '.join(sorted(allowed))}, got {value!r}")
+
+
 # a hub id: `name` or `owner/name`, each part of letters, digits, -, _ and . (not at either end)
 _HUB_ID = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?(?:/[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?)?")
 

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from grouprl.config import REPLY_FIELD  # sft.reply_template's placeholder, defined with the setting
 from grouprl.errors import DataError
 
 FIRST_ROWS = 8  # rows read to tell a verl conversation (`prompt` ending with an assistant turn) from a prompt
 TEXT_COLUMNS = ("messages", "prompt", "reward_model", "question", "answer")  # never the images
-REPLY_FIELD = "{ground_truth}"
 # where a verl-layout file without reward_model.ground_truth holds its reference (TRL's datasets)
 REFERENCE_COLUMNS = ("ground_truth", "solution", "answer")
 LAYOUTS = (

@@ -292,9 +292,7 @@ def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool, skeleton=
     weights (several ranks: the reference is sharded and filled from rank 0's weights)."""
     if cfg.algorithm.kl_coef <= 0 and cfg.actor.kl_loss_coef <= 0:
         return None
-    if is_lora:
-        if cfg.algorithm.ref_refresh_steps:
-            raise UserError("algorithm.ref_refresh_steps needs full fine-tuning (model.lora.rank=0)")
+    if is_lora:  # (the config refuses algorithm.ref_refresh_steps with LoRA)
         return "adapters-disabled"
     ref = (skeleton() if skeleton is not None else copy.deepcopy(model)).eval()
     for p in ref.parameters():
