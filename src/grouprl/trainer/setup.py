@@ -264,8 +264,8 @@ class Parts:
 
 @dataclass
 class Ahead:
-    """The generation side of asynchronous training: a copy of the policy (`generation_copy`, loaded
-    with the weights of the version a batch needs), the engine that samples from it (the
+    """The generation side of asynchronous training: a copy of the policy (`generation_copy`,
+    loaded with the weights of the version a batch needs), the engine that samples from it (the
     built-in engine over the copy, vLLM, which pushes from it into its own, or either in an
     engine process of its own, rollout.engine_process, fed from the copy over gloo) and the
     rollout runners over that engine. The trainer's own `engine` then serves evaluation, on the
@@ -433,14 +433,14 @@ def build(cfg: Config) -> Parts:
     # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
     # policy on each rank, loaded with the weights of each batch's version (its linear weights in
     # the generation's precision: no cast at every decode step)
-    generation_copy = None
+    shadow = None
     if cfg.rollout.max_staleness:
         if ranks.distributed:
-            generation_copy = skeleton().requires_grad_(False)
-            fill_from_rank0(generation_copy, source, device)
+            shadow = skeleton().requires_grad_(False)
+            fill_from_rank0(shadow, source, device)
         else:
-            generation_copy = copy.deepcopy(model).requires_grad_(False)
-        cast_frozen_linears(generation_copy, rollout_dtype)
+            shadow = copy.deepcopy(model).requires_grad_(False)
+        cast_frozen_linears(shadow, rollout_dtype)
     sharder = Sharder(cfg, ranks, device, dtype, compute_dtype)
     policy = sharder(model, source)
     if isinstance(ref_model, torch.nn.Module):
@@ -463,21 +463,21 @@ def build(cfg: Config) -> Parts:
         # engine, on the current weights, serves evaluation
         if cfg.rollout.engine_address:  # an engine service's process, on another machine
             load = functools.partial(generation_engine, cfg, model_path, dtype=dtype, rollout_dtype=rollout_dtype)
-            generator = EngineProcess(generation_copy, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
+            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
         elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
             where = cfg.rollout.engine_device or str(device)
             share = torch.device(where).type == "cpu" and device.type == "cpu"
             load = functools.partial(generation_engine, cfg, model_path, where, dtype, rollout_dtype, share)
-            generator = EngineProcess(generation_copy, tokenizer, load, trainable_names(model), device, engine_device=where)
+            generator = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
         else:
             generator = build_engine(
-                cfg.rollout, generation_copy, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
+                cfg.rollout, shadow, tokenizer, model_path=model_path, seed=cfg.trainer.seed, dtype=rollout_dtype,
                 vision=family, report_log_probs=True, device=device,
             )  # fmt: skip
         agent = AgentLoop(generator, tokenizer, build_tools(cfg.agent), cfg.agent, vision=vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's
-        ahead = Ahead(generation_copy, generator, agent, SingleTurn(generator), ranks.fork())
+        ahead = Ahead(shadow, generator, agent, SingleTurn(generator), ranks.fork())
         engine = build_engine(
             replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report
         )
