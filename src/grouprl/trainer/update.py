@@ -313,17 +313,6 @@ class PolicyUpdater:
     def update(self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params) -> Update:
         """ppo_epochs x mini-batches of `tensors` (this rank's rows of `num_prompts` groups), one
         optimizer step each; `tensors` are read, never written."""
-        # the head's weight gradient goes straight into .grad (logprobs.py); on a CPU, the layers
-        # keep fewer activations and freed memory goes back to the OS (grouprl.cpu)
-        with block_masks(model, self.cfg.shared_prefix):  # flash kernels take no block masks: sdpa
-            if self.ranks.distributed:  # the CPU devices patch layers FSDP already manages
-                return self._update(model, optimizer, scheduler, tensors, num_prompts, params, lambda: None)
-            with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
-                return self._update(model, optimizer, scheduler, tensors, num_prompts, params, before_backward)
-
-    def _update(
-        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params, before_backward
-    ) -> Update:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
         mini_prompts = cfg.mini_batch_size // self.ranks.world  # this rank's share of a mini-batch
@@ -338,32 +327,47 @@ class PolicyUpdater:
         recorded = None
         if tensors.old_log_probs is None and tensors.rollout_log_probs is not None:
             recorded = tensors.loss_mask.new_zeros(tensors.loss_mask.shape, dtype=torch.float32)
-        model.train()
-        lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
-        for _epoch in range(cfg.ppo_epochs):
-            # groups stay whole inside a mini-batch: rows are in group order and the size is a
-            # multiple of n_agent
-            for mini in split(list(range(n_rows)), rows_per_mini):
-                optimizer.zero_grad(set_to_none=True)
-                micro_metrics = self._gradients(model, tensors, mini, before_backward, recorded)
-                grad_norm = self._clip(params)
-                finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
-                if finite or not self.skip_nonfinite:
-                    optimizer.step()
-                    scheduler.step()
-                else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
-                    log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
-                    sums["actor/skipped_steps"] += 1
-                optimizer.zero_grad(set_to_none=True)  # freed now, not held through the next rollout
-                for k, v in micro_metrics.items():
-                    sums[k] += v
-                    counts[k] += 1
-                sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
-                counts["actor/grad_norm"] += 1
+        with self._updating(model) as before_backward:
+            model.train()
+            lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
+            for _epoch in range(cfg.ppo_epochs):
+                # groups stay whole inside a mini-batch: rows are in group order and the size is a
+                # multiple of n_agent
+                for mini in split(list(range(n_rows)), rows_per_mini):
+                    optimizer.zero_grad(set_to_none=True)
+                    micro_metrics = self._gradients(model, tensors, mini, before_backward, recorded)
+                    grad_norm = self._clip(params)
+                    finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                    if finite or not self.skip_nonfinite:
+                        optimizer.step()
+                        scheduler.step()
+                    else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
+                        log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
+                        sums["actor/skipped_steps"] += 1
+                    optimizer.zero_grad(set_to_none=True)  # freed now, not held through the next rollout
+                    for k, v in micro_metrics.items():
+                        sums[k] += v
+                        counts[k] += 1
+                    sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+                    counts["actor/grad_norm"] += 1
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
         return Update(out, recorded)
+
+    @contextlib.contextmanager
+    def _updating(self, model):
+        """Around an update: sdpa (flash kernels take no block masks); in one process the head's
+        weight gradient goes straight into .grad (logprobs.py) and, on a CPU, the layers keep
+        fewer activations and freed memory goes back to the OS (grouprl.cpu: it yields what runs
+        before each backward). The CPU devices patch layers FSDP already manages: not on several
+        ranks."""
+        with block_masks(model, self.cfg.shared_prefix):
+            if self.ranks.distributed:
+                yield lambda: None
+                return
+            with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
+                yield before_backward
 
     def _gradients(
         self, model, tensors: StepTensors, mini: list[int], before_backward, recorded: torch.Tensor | None
