@@ -40,6 +40,7 @@ class FakeEngine:
         self.push_seconds = 0.0
         self.calls: list[dict] = []
         self.phases: list[str] = []
+        self.flat: set[tuple[int, int]] = set()  # (call, prompt) answered "bbb" n times: rewards all equal
 
     @property
     def device(self) -> torch.device:
@@ -49,7 +50,8 @@ class FakeEngine:
         self.calls.append({"prompts": prompts, "n": n, "draws": generator.uniform().tolist()})
         out = []
         for i in range(len(prompts)):
-            group = [self._generation(RESPONSES[j % len(RESPONSES)]) for j in range(n)]
+            flat = (len(self.calls) - 1, i) in self.flat
+            group = [self._generation("bbb" if flat else RESPONSES[j % len(RESPONSES)]) for j in range(n)]
             if on_group_done is not None:
                 on_group_done(i, group)
             out += group
@@ -119,6 +121,22 @@ def test_a_steps_rollouts_sample_from_streams_keyed_by_step_and_rollout(config):
     collector.rollout(samples, prompts, 4, stream=(5, 1))  # the step's second rollout (a refill)
     assert parts.engine.calls[1]["draws"] == want
     assert parts.engine.calls[2]["draws"] == RowStreams(mix_seed(7, 5, 1), range(8)).uniform().tolist() != want
+
+
+def test_dynamic_filtering_refills_from_the_steps_next_streams(config):
+    """A group whose rewards are all equal leaves; the refill is the step's second rollout, its
+    rows keyed by their places in the refill's own draw, and the batch keeps B groups."""
+    parts = parts_for(config, "data.sampler=curriculum", "curriculum.dynamic_filter=true")
+    parts.engine.flat = {(0, 0)}  # the first prompt's group teaches nothing
+    batch = Collector(parts.cfg, parts).collect(step=4)
+    first, refill = parts.engine.calls
+    assert len(first["prompts"]) == 2 and len(refill["prompts"]) >= 1
+    k = len(refill["prompts"])
+    assert refill["draws"] == RowStreams(mix_seed(0, 4, 1), range(4 * k)).uniform().tolist()
+    assert first["draws"] == RowStreams(mix_seed(0, 4, 0), range(8)).uniform().tolist()
+    assert batch.places == [0, 1] and batch.dropped_groups == 0
+    assert [g.prompt for g in batch.groups] == [first["prompts"][1], refill["prompts"][0]]
+    assert batch.metrics["batch/generated_groups"] == 2 + k and batch.metrics["batch/zero_std_dropped"] >= 1
 
 
 def test_an_asynchronous_batch_carries_its_staleness_and_its_weights_push(config):
