@@ -106,6 +106,8 @@ def test_collect_returns_the_steps_groups_scored_in_one_finished_batch(config):
     assert not any(k.startswith("rollout/staleness") for k in batch.metrics)  # a synchronous batch
     with pytest.raises(dataclasses.FrozenInstanceError):
         batch.metrics = {}  # nothing writes a batch once collected
+    with pytest.raises(TypeError):
+        batch.metrics["reward/mean"] = 1.0
 
 
 def test_a_steps_rollouts_sample_from_streams_keyed_by_step_and_rollout(config):

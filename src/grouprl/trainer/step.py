@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -219,7 +220,7 @@ class Collector:
             version=pending.version,
             groups=settled.groups,
             dropped_groups=settled.dropped_groups,
-            metrics=metrics,
+            metrics=MappingProxyType(metrics),
             started=pending.started,
             pushed_before=pending.pushed_before,
             loaded=pending.loaded,

@@ -5,6 +5,7 @@ collector's own records while it collects (`Pending`, `Generated`, `Settled`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ class StepBatch:
     version: int  # the policy version (updates done) whose weights sampled it
     groups: list[Group]  # batch order; pads (zero-mask copies that keep the ranks' shares equal) last
     dropped_groups: int  # groups a failed judge took out, over every rank
-    metrics: dict[str, float]  # what collecting measured
+    metrics: Mapping[str, float]  # what collecting measured (read-only)
     started: float  # perf_counter when collecting began
     pushed_before: float | None = None  # the engine's push seconds then (synchronous, an engine with its own weights)
     loaded: Loaded | None = None  # asynchronous: how its weights reached the generation copy
