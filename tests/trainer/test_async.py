@@ -121,13 +121,13 @@ def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_d
     events = []
     start, finish = Collector.start, Collector.finish
 
-    def timed_start(self, step, version=None):
+    def timed_start(self, step, *args, **kwargs):
         events.append(("start", step, time.perf_counter()))
-        return start(self, step, version)
+        return start(self, step, *args, **kwargs)
 
     def timed_finish(self, pending):
         batch = finish(self, pending)
-        events.append(("scored", pending.batch.step, time.perf_counter()))
+        events.append(("scored", batch.step, time.perf_counter()))
         return batch
 
     monkeypatch.setattr(Collector, "start", timed_start)
@@ -146,7 +146,12 @@ def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_d
             Trainer(load_config(config, overrides)).fit()
             at = {(kind, step): t for kind, step, t in events}
             together = [at[("start", j + 1)] < at[("scored", j)] for j in range(3)]  # j and j+1 in flight
-            assert together == ([False] * 3 if k == 0 else [True, together[1], True]), (k, events)
+            if k == 0:
+                assert together == [False] * 3, events
+            else:  # whether batch 2 starts before batch 1 is scored is a race of its own: left out
+                assert together[0] and together[2], events
+                # batch j + 1 samples from version j, made by learning batch j - 1: never before it is scored
+                assert all(at[("start", j + 1)] > at[("scored", j - 1)] for j in (1, 2)), events
 
 
 def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model_dir):

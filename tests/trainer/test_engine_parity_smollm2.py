@@ -49,9 +49,8 @@ def step_rollout(trainer: Trainer, batch, parts: list[range], gen_batch_size: in
     trainer.engine.max_batch = gen_batch_size
     out = []
     for part in parts:
-        trainer.collector._calls = 0  # a step's first rollout, on every rank
-        out += trainer.collector.rollout(
-            [samples[g] for g in part], [prompts[g] for g in part], 4, first_group=part.start
+        out += trainer.collector.rollout(  # the first step's first rollout, on every rank
+            [samples[g] for g in part], [prompts[g] for g in part], 4, first_group=part.start, stream=(0, 0)
         )
     return out
 

@@ -107,16 +107,17 @@ def test_truncated_importance_weights_enter_the_loss(tmp_path, model_dir, monkey
 
     def update_spy(model, optimizer, scheduler, tensors, *args):
         assert tensors.old_log_probs is None  # one epoch, one mini-batch: no scoring pass before
-        steps.append(tensors)
-        return real_update(model, optimizer, scheduler, tensors, *args)
+        done = real_update(model, optimizer, scheduler, tensors, *args)
+        steps.append((tensors, done.old_log_probs))  # the log-probs the update took as old
+        return done
 
     monkeypatch.setattr(update, "policy_loss", loss_spy)
     monkeypatch.setattr(trainer.updater, "update", update_spy)
     metrics, _ = trainer.train_step()
-    tensors = steps[0]
+    tensors, old = steps[0]
     assert len(seen) == 1 and seen[0] is not None  # one micro-batch of the whole step
     mask = tensors.loss_mask.bool()
-    want = torch.exp(tensors.old_log_probs - tensors.rollout_log_probs).clamp(max=1.5)
+    want = torch.exp(old - tensors.rollout_log_probs).clamp(max=1.5)
     torch.testing.assert_close(seen[0][mask], want[mask])
     assert (seen[0][mask] - 1).abs().max() < 1e-3
     assert metrics["rollout/is_mean"] == pytest.approx(float(want[mask].mean()), abs=1e-6)

@@ -14,6 +14,7 @@ gradients match the reference to rtol 1e-8 and micro-batch sizes agree with each
 """
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -612,13 +613,13 @@ def test_importance_masking_takes_samples_out_of_the_loss_and_its_denominator(mo
     zero_weight_only = hand_built_grads(model, step, cfg, rollout_is=(level, cap, "zero-weight"))
     assert max_relative_difference(expected, zero_weight_only) > 1e-2
     for micro in (1, 3, N_ROWS):
-        run = copy.copy(step)
         updater = PolicyUpdater(
             actor_config(**{**cfg.__dict__, "micro_batch_size": micro}), temperature=TEMPERATURE, pad_token_id=0,
             rollout_is=level, rollout_is_mode="mask", rollout_is_cap=cap,
         )
-        assert updater.needs_old_log_probs(2, run)  # masking decides before the update
-        updater.reject(run)
+        assert updater.needs_old_log_probs(2, step)  # masking decides before the update
+        loss_mask, policy_mask = updater.reject(step, step.old_log_probs)
+        run = dataclasses.replace(step, loss_mask=loss_mask, policy_mask=policy_mask)
         assert torch.equal(run.policy_mask, step.loss_mask)  # the mask as sampled, for the metrics
         torch.testing.assert_close(run.loss_mask, step.loss_mask * keep.float())
         params = [p for p in model.parameters() if p.requires_grad]

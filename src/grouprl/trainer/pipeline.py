@@ -43,7 +43,8 @@ import torch
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.devices import use_device
 from grouprl.trainer.parallel import full_tensor
-from grouprl.trainer.step import Collector, StepBatch
+from grouprl.trainer.step import Collector
+from grouprl.trainer.step_batch import Loaded, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +72,14 @@ class RolloutPipeline:
         self.k = cfg.rollout.max_staleness
         self.fixed = cfg.rollout.async_schedule == "fixed_lag"
         ahead = parts.ahead
-        self.copy, self.engine = ahead.model, ahead.engine
+        self.generation_copy, self.engine = ahead.generation_copy, ahead.engine
         self.device = parts.device
         # the rollout runs on the copy (whole on every rank: no gathering of the policy's shards)
         # and its collectives go over the rollout threads' own group (setup.Ahead.ranks). The
         # generator thread's only collectives (dynamic filtering's refills) run while the scorer
         # waits for that batch, so the two threads never use the group at once
         generation = dataclasses.replace(
-            parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn, policy=ahead.model,
+            parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn, policy=ahead.generation_copy,
             ranks=ahead.ranks,
         )  # fmt: skip
         # batches overlap: one's judge calls are still out when the next starts, so a batch's
@@ -105,15 +106,13 @@ class RolloutPipeline:
             )  # fmt: skip
             self.floor = first_step
         self.newest = max(self.snapshots, default=-1)
-        self.loaded: int | None = None  # the version the copy holds
+        self.loaded: int | None = None  # the version the generation copy holds
         self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its draw
         self.started = first_step  # the next batch to start
         self.scored = first_step  # batches up to here are scored
         self.learned = first_step  # the trainer's steps so far
         self.queue: collections.deque = collections.deque()  # started, not yet scored (Pending)
         self.ready: dict[int, StepBatch] = {}
-        self.waited: dict[int, float] = {}  # step -> seconds generation waited for weights
-        self.loading: dict[int, float] = {}  # step -> seconds its weights took into the copy (vLLM: the push)
         self.error: BaseException | None = None
         self.stopping = False
         self.threads = [
@@ -141,8 +140,9 @@ class RolloutPipeline:
             self.cond.notify_all()
 
     def take(self, step: int) -> StepBatch:
-        """Batch `step`, once generated and scored (a fault on the other threads is raised here).
-        A wait of STILL_WAITING_S or more says so in the log, with where the threads are."""
+        """Batch `step`, once generated and scored (a fault on the other threads is raised here);
+        its staleness and its weights' wait and push are in it (Collector.finish). A wait of
+        STILL_WAITING_S or more says so in the log, with where the threads are."""
         since = report = time.monotonic()
         with self.cond:
             while step not in self.ready and self.error is None:
@@ -152,24 +152,7 @@ class RolloutPipeline:
                     self._still_waiting(step, report - since)
             if self.error is not None:
                 raise self.error
-            batch = self.ready.pop(step)
-            waited = self.waited.pop(step, 0.0)
-            loading = self.loading.pop(step, 0.0)
-        trajectories = batch.real
-        ages = [step - (t.version if t.version is not None else batch.version) for t in trajectories]
-        turn_versions = [turn["version"] for t in trajectories for turn in t.turns if "version" in turn]
-        batch.metrics.update(
-            {
-                "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
-                "rollout/staleness_max": float(max(ages, default=0)),
-                "rollout/policy_version": float(batch.version),
-                "time/wait_weights": waited,
-                "time/weight_push": loading,
-            }
-        )
-        if turn_versions:  # partial rollouts: turns that took newer weights than their first
-            batch.metrics["rollout/turn_versions"] = float(len(set(turn_versions)))
-        return batch
+            return self.ready.pop(step)
 
     def _still_waiting(self, step: int, seconds: float) -> None:
         threads = ", ".join(f"{t.name} {'running' if t.is_alive() else 'ended'}" for t in self.threads)
@@ -219,15 +202,15 @@ class RolloutPipeline:
             del self.snapshots[v]
 
     def _load(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
-        """The copy takes `version`'s weights (generator thread, between requests); the engine
-        samples from them next (vLLM: pushed into its own copy)."""
+        """The generation copy takes `version`'s weights (generator thread, between requests);
+        the engine samples from them next (vLLM: pushed into its own copy)."""
         if self.loaded == version:
             return
-        params = dict(self.copy.named_parameters())
+        params = dict(self.generation_copy.named_parameters())
         with torch.no_grad():
             for name, tensor in snapshot.items():
                 params[name].copy_(tensor)
-        self.engine.weights_updated(self.copy)
+        self.engine.weights_updated(self.generation_copy)
         self.loaded = version
 
     def _between_turns(self) -> int | None:
@@ -266,14 +249,13 @@ class RolloutPipeline:
                     return
                 version = self.needed(j) if self.fixed else self.newest
                 snapshot = self.snapshots[version]
-                self.waited[j] = time.perf_counter() - waited
+                waited = time.perf_counter() - waited
                 self.sampler_before[j] = self.sampler.state_dict()
                 self.started = j + 1
                 self._prune()
             loading = time.perf_counter()
             self._load(version, snapshot)
-            self.loading[j] = time.perf_counter() - loading
-            pending = self.collector.start(j, version)
+            pending = self.collector.start(j, version, Loaded(waited=waited, push=time.perf_counter() - loading))
             with self.cond:
                 if self.stopping:
                     return

@@ -266,14 +266,14 @@ class Parts:
 
 @dataclass
 class Ahead:
-    """The generation side of asynchronous training: a copy of the policy (`model`, loaded
-    with the weights of the version a batch needs), the engine that samples from it (the
+    """The generation side of asynchronous training: a copy of the policy (`generation_copy`,
+    loaded with the weights of the version a batch needs), the engine that samples from it (the
     built-in engine over the copy, vLLM, which pushes from it into its own, or either in an
     engine process of its own, rollout.engine_process, fed from the copy over gloo) and the
     rollout runners over that engine. The trainer's own `engine` then serves evaluation, on the
     current weights."""
 
-    model: torch.nn.Module
+    generation_copy: torch.nn.Module
     engine: RolloutEngine
     agent: AgentLoop | None
     single_turn: SingleTurn
@@ -390,7 +390,7 @@ class Models:
     loaded: LoadedPolicy
     policy: torch.nn.Module  # the model, or its FSDP2 root over several ranks
     ref_model: torch.nn.Module | str | None
-    copy: torch.nn.Module | None  # rollout.max_staleness: the copy generation samples from
+    generation_copy: torch.nn.Module | None  # rollout.max_staleness: the copy generation samples from
 
 
 def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer) -> Models:
@@ -420,19 +420,19 @@ def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Prec
     # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
     # policy on each rank, loaded with the weights of each batch's version (its linear weights in
     # the generation's precision: no cast at every decode step)
-    shadow = None
+    generation_copy = None
     if cfg.rollout.max_staleness:
         if ranks.distributed:
-            shadow = skeleton().requires_grad_(False)
-            fill_from_rank0(shadow, source, device)
+            generation_copy = skeleton().requires_grad_(False)
+            fill_from_rank0(generation_copy, source, device)
         else:
-            shadow = copy.deepcopy(model).requires_grad_(False)
-        cast_frozen_linears(shadow, precision.rollout)
+            generation_copy = copy.deepcopy(model).requires_grad_(False)
+        cast_frozen_linears(generation_copy, precision.rollout)
     sharder = Sharder(cfg, ranks, device, dtype, precision.compute)
     policy = sharder(model, source)
     if isinstance(ref_model, torch.nn.Module):
         ref_model = sharder(ref_model, source)
-    return Models(loaded, policy, ref_model, shadow)
+    return Models(loaded, policy, ref_model, generation_copy)
 
 
 def make_engines(cfg: Config, models: Models, device: torch.device, precision: Precision, ranks: Ranks, report: bool):
@@ -443,24 +443,24 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
     model, path = loaded.model, loaded.path
     ahead = None
     if cfg.rollout.max_staleness:
-        shadow = models.copy
+        generation_copy = models.generation_copy
         if cfg.rollout.engine_address:  # an engine service's process, on another machine
             load = functools.partial(generation_engine, cfg, path, dtype=precision.dtype, rollout_dtype=precision.rollout)
-            ahead_engine = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
+            ahead_engine = EngineProcess(generation_copy, tokenizer, load, trainable_names(model), device, address=cfg.rollout.engine_address)
         elif cfg.rollout.engine_process:  # its own process (and device), fed over torch.distributed
             where = cfg.rollout.engine_device or str(device)
             share = torch.device(where).type == "cpu" and device.type == "cpu"
             load = functools.partial(generation_engine, cfg, path, where, precision.dtype, precision.rollout, share)
-            ahead_engine = EngineProcess(shadow, tokenizer, load, trainable_names(model), device, engine_device=where)
+            ahead_engine = EngineProcess(generation_copy, tokenizer, load, trainable_names(model), device, engine_device=where)
         else:
             ahead_engine = build_engine(
-                cfg.rollout, shadow, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
+                cfg.rollout, generation_copy, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
                 vision=family, report_log_probs=True, device=device,
             )  # fmt: skip
         agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's
-        ahead = Ahead(shadow, ahead_engine, agent, SingleTurn(ahead_engine), ranks.fork())
+        ahead = Ahead(generation_copy, ahead_engine, agent, SingleTurn(ahead_engine), ranks.fork())
         engine = build_engine(replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report)
     else:
         engine = build_engine(

@@ -5,8 +5,11 @@
     Learner.learn(batch)    -> metrics       tensors, old/ref log-probs, advantages, the update,
                                              the engine-trainer mismatch, the weight push
 
-A StepBatch owns this rank's groups of one step: samples, prompts, trajectories, their places
-in the step's whole batch, the policy version that sampled them, and what collecting measured.
+A StepBatch (step_batch.py) owns this rank's groups of one step (`Group`: its place in the
+step's whole batch, sample, prompt, trajectories), the policy version that sampled them and what
+collecting measured; collect builds it once, at its end, and nothing writes it after. Learn
+builds the update's tensors once and returns what it measured; the trainer reduces the step's
+metrics over the ranks.
 Several ranks: every rank collects its own groups (the same prompts drawn everywhere, each its
 block) and learns on them; decisions that change which groups train (dynamic filtering, judge
 failures) are taken over every rank's groups, so the ranks stay in step.
@@ -19,8 +22,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -46,7 +48,8 @@ from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.models import autocast
 from grouprl.trainer.parallel import gathered, reduce_metrics, state_gb
-from grouprl.trainer.update import build_step_tensors
+from grouprl.trainer.step_batch import Generated, Group, Loaded, Pending, Settled, StepBatch, staleness
+from grouprl.trainer.update import StepTensors, build_step_tensors
 
 log = logging.getLogger(__name__)
 
@@ -57,50 +60,6 @@ def peak_rss_gb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # Linux reports KiB
-
-
-@dataclass
-class StepBatch:
-    """This rank's groups of one step, scored: what collect hands learn."""
-
-    step: int  # steps done before this one (the sampling streams are keyed by it)
-    version: int  # the policy version (updates done) whose weights sampled it
-    samples: list[Sample]
-    prompts: list[list[int]]
-    trajectories: list[Trajectory]  # n per group, groups in batch order; pads last
-    groups: list[int]  # each group's place in the step's whole batch (over every rank)
-    pads: int = 0  # zero-mask copies that keep the ranks' shares equal (after dropped groups)
-    dropped_groups: int = 0  # groups a failed judge took out, over every rank
-    metrics: dict[str, float] = field(default_factory=dict)  # what collecting measured
-    started: float = 0.0  # perf_counter when collecting began
-    pushed_before: float | None = None  # the engine's push seconds then (an engine with its own weights)
-
-    @property
-    def real(self) -> list[Trajectory]:
-        """The trajectories without the pads."""
-        n = len(self.trajectories) // max(len(self.samples), 1)
-        return self.trajectories[: len(self.trajectories) - self.pads * n]
-
-
-@dataclass
-class Generated:
-    """One rollout's trajectories, their rewards in flight (`stream`) or still to be taken."""
-
-    trajectories: list[Trajectory]
-    stream: Any  # rewards.streaming.RewardBatch, or None (scored when the batch is finished)
-    start: float  # perf_counter: generation began / ended
-    end: float
-    stats: dict[str, float]  # the rollout's own figures (runner.stats)
-
-
-@dataclass
-class Pending:
-    """A step's batch between Collector.start and Collector.finish: generated, maybe not scored."""
-
-    batch: StepBatch
-    epoch: float = 0.0  # the sampler's epoch at the draw
-    generated: Generated | None = None
-    done: bool = False  # scored and settled (dynamic filtering does it all in start)
 
 
 def policy_for_generation(engine, policy):
@@ -132,8 +91,6 @@ class Collector:
         self.judge_tallies_per_batch = judge_tallies_per_batch
         self.ranks = parts.ranks
         self.runner = parts.agent if parts.agent is not None else parts.single_turn
-        self._calls = 0  # rollouts of the current step (a refill draws new streams)
-        self._step = 0
 
     # ------------------------------------------------------------------ rollout
     def sampling_params(self, evaluation: bool = False) -> SamplingParams:
@@ -155,18 +112,18 @@ class Collector:
         evaluation=False,
         on_group: Callable[[list[Trajectory]], None] | None = None,
         first_group: int | list[int] = 0,
+        stream: tuple[int, int] = (0, 0),
     ) -> list[Trajectory]:
         """n trajectories per prompt, prompt-major; `on_group(group)` gets each prompt's n
         trajectories as soon as they are all complete (streaming rewards). `first_group`: the
-        index of `prompts[0]` in the step's whole batch (over all ranks), or every prompt's."""
-        # every trajectory samples from its own stream, keyed by (seed, step, rollout call) and its
+        index of `prompts[0]` in the step's whole batch (over all ranks), or every prompt's.
+        `stream`: (step, rollout of that step) whose sampling streams a training rollout draws
+        from (a step's refills are its rollouts 1, 2, ...); evaluation has streams of its own."""
+        # every trajectory samples from its own stream, keyed by (seed, step, rollout) and its
         # place in the step's batch: the tokens do not depend on batching, ranks or a resume;
         # evaluation has streams of its own, so evaluating does not change what training samples
         seed = self.cfg.trainer.seed
-        if evaluation:
-            stream_seed = mix_seed(seed, EVALUATION_STREAM)
-        else:
-            stream_seed, self._calls = mix_seed(seed, self._step, self._calls), self._calls + 1
+        stream_seed = mix_seed(seed, EVALUATION_STREAM) if evaluation else mix_seed(seed, *stream)
         groups = first_group if isinstance(first_group, list) else [first_group + i for i in range(len(prompts))]
         generator = RowStreams(stream_seed, [g * n + j for g in groups for j in range(n)])
         images = self.p.encoder.images_of(samples)
@@ -212,57 +169,82 @@ class Collector:
         reward component failed too often."""
         return self.finish(self.start(step, version))
 
-    def start(self, step: int, version: int | None = None) -> Pending:
+    def start(self, step: int, version: int | None = None, loaded: Loaded | None = None) -> Pending:
         """The first half of collect: draw the step's prompts and generate, their rewards in
         flight (streamed) or to be taken by `finish`. With dynamic filtering, whose refills need
         the rewards, the whole batch is done here. `version`: the policy version whose weights
-        generate (default: `step`, the synchronous loop's)."""
-        self._step, self._calls = step, 0
+        generate (default: `step`, the synchronous loop's); `loaded`: how they reached the
+        generation copy (asynchronous training)."""
         p = self.p
         started = time.perf_counter()
         pushed = None if p.engine.reads_trainer_weights else p.engine.push_seconds  # an engine with its own copy
         if self.judge_tallies_per_batch:
             p.reward.failure_report()  # an evaluation's judge calls are not this step's
-        out = StepBatch(step=step, version=step if version is None else version, samples=[], prompts=[],
-                        trajectories=[], groups=[], started=started, pushed_before=pushed)  # fmt: skip
         samples, prompts = self.next_prompts()  # the whole step's, the same on every rank
-        epoch = float(p.sampler.epoch)  # the draw's (later batches may be drawn already when it is scored)
         # this rank's whole groups: its part of every mini-batch, so that each optimizer step
         # sees the groups it sees in one process
         mine = self.ranks.share(len(samples), block=self.cfg.actor.mini_batch_size or len(samples))
-        out.samples, out.prompts, out.groups = [samples[g] for g in mine], [prompts[g] for g in mine], mine
-        pending = Pending(out, epoch=epoch)
+        pending = Pending(
+            step=step,
+            version=step if version is None else version,
+            groups=[Group(g, samples[g], prompts[g], []) for g in mine],
+            started=started,
+            # asynchronous: the weights went into the generation copy before the batch started
+            # (`loaded`); the engine learn pushes to is another one
+            pushed_before=pushed if loaded is None else None,
+            loaded=loaded,
+            epoch=float(p.sampler.epoch),  # the draw's (later batches may be drawn already when it is scored)
+        )
         with rollout_phase(p.engine):
-            pending.generated = self._generate(out.samples, out.prompts, mine, out.version)
+            pending.generated = self._generate(pending, pending.groups, mine)
             if isinstance(p.sampler, OnlineCurriculum) and self.cfg.curriculum.dynamic_filter:
-                self._complete(pending)  # refills: generated within this rollout
+                pending.settled = self._settle(pending)  # refills: generated within this rollout
                 pending.epoch = float(p.sampler.epoch)  # after the refills' draws
         return pending
 
     def finish(self, pending: Pending) -> StepBatch:
         """The second half: wait for the rewards, then judge failures, dropped groups and the
         curriculum's tracker; the StepBatch learn takes."""
-        if not pending.done:
-            self._complete(pending)
-        batch = pending.batch
-        batch.metrics.update(
-            {
-                **self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
-                "train/epoch": pending.epoch,
-                **self.p.prompt_stats,
-            }
+        settled = pending.settled if pending.settled is not None else self._settle(pending)
+        metrics = {
+            **settled.metrics,
+            **self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
+            "train/epoch": pending.epoch,
+            **self.p.prompt_stats,
+        }
+        if pending.loaded is not None:
+            real = [t for g in settled.groups if g.place is not None for t in g.trajectories]
+            metrics.update(staleness(pending.step, pending.version, real, pending.loaded))
+        return StepBatch(
+            step=pending.step,
+            version=pending.version,
+            groups=settled.groups,
+            dropped_groups=settled.dropped_groups,
+            metrics=MappingProxyType(metrics),
+            started=pending.started,
+            pushed_before=pending.pushed_before,
+            loaded=pending.loaded,
         )
-        return batch
 
-    def _generate(self, samples, prompts, first_group, version: int) -> Generated:
-        """Roll out `samples`; their groups' rewards stream in while generation goes on."""
+    def _generate(self, pending: Pending, groups: list[Group], rows: list[int]) -> Generated:
+        """Roll out `groups` (drawn, no trajectories yet): the step's next rollout, whose streams
+        are keyed by `rows` (each group's place in this rollout's draw); their rewards stream in
+        while generation goes on."""
         n, p = self.cfg.rollout.n_agent, self.p
         t0 = time.perf_counter()
         stream = p.streaming.open() if p.streaming is not None else None
         on_group = stream.submit if stream is not None else None
-        trajectories = self.rollout(samples, prompts, n, on_group=on_group, first_group=first_group)
+        trajectories = self.rollout(
+            [g.sample for g in groups],
+            [g.prompt for g in groups],
+            n,
+            on_group=on_group,
+            first_group=rows,
+            stream=(pending.step, pending.rollouts),
+        )
+        pending.rollouts += 1
         for t in trajectories:
-            t.version = version if t.version is None else t.version
+            t.version = pending.version if t.version is None else t.version
         return Generated(trajectories, stream, t0, time.perf_counter(), dict(self.runner.stats))
 
     def _score(self, generated: Generated, clock: dict[str, float]) -> dict[str, float]:
@@ -288,129 +270,125 @@ class Collector:
             raise down
         return metrics
 
-    def _complete(self, pending: Pending) -> None:
+    def _whole(self, groups: list[Group]) -> list[Group]:
+        """Every rank's groups, in batch order."""
+        return sorted((g for part in self.ranks.gather(groups) for g in part), key=lambda g: g.place)
+
+    def _settle(self, pending: Pending) -> Settled:
         """Score the pending batch's groups (and, with dynamic filtering, refill until enough
         groups differ). Groups a failed judge dropped (on_failure: drop_group) leave the batch on
         every rank alike (decided over every rank's groups), and the kept groups are shared out
-        again, each rank its part of every mini-batch. A mini-batch whose kept groups do not
-        split evenly over the ranks is padded: the ranks short of a group get a copy of a kept
-        group with an all-zero loss mask, which adds no term to the loss and no token or row to
-        its denominators, so the update is the one of one process on the kept groups. The pads
-        come last in this rank's lists (`StepBatch.pads` of them); learn leaves them out of
-        everything it reports."""
+        again, each rank its part of every mini-batch (`share_out`)."""
         c, n, p = self.cfg, self.cfg.rollout.n_agent, self.p
-        out = pending.batch
         clock = {"generate": 0.0, "reward": 0.0, "reward_hidden": 0.0}
 
-        def generate_and_score(samples, prompts, first_group=0):
-            generated = self._generate(samples, prompts, first_group, out.version)
-            return generated.trajectories, self._score(generated, clock)
+        def generate_and_score(drawn: list[Group], rows: list[int]) -> tuple[list[Group], dict[str, float]]:
+            generated = self._generate(pending, drawn, rows)
+            groups = [dataclasses.replace(g, trajectories=generated.trajectories[i * n : (i + 1) * n]) for i, g in enumerate(drawn)]  # fmt: skip
+            return groups, self._score(generated, clock)
 
-        def group_rewards() -> list[list[float]]:
-            return [[t.reward for t in trajectories[g * n : (g + 1) * n]] for g in range(len(samples))]
-
-        def share_out(kept):
-            """This rank's part of every mini-batch of `kept` (the whole batch's (place, sample,
-            prompt, group) in order), a short last mini-batch padded to a multiple of the ranks."""
-            size = c.actor.mini_batch_size or len(kept)
-            places = []
-            for start in range(0, len(kept), size):
-                k = -(-min(size, len(kept) - start) // self.ranks.world)  # this rank's part, rounded up
-                places += [start + self.ranks.rank * k + i for i in range(k)]
-            out.groups = [g for g in places if g < len(kept)]
-            out.pads = len(places) - len(out.groups)
-            chosen = [kept[g] for g in out.groups]
-            if out.pads:  # the kept group with the fewest tokens to run, adding nothing to the loss
-                _, sample, prompt, group = min(kept, key=lambda x: sum(len(t.response_ids) for t in x[3]))
-                for _ in range(out.pads):
-                    pad = [dataclasses.replace(t, loss_mask=[0] * len(t.loss_mask)) for t in group]
-                    chosen.append((None, sample, prompt, pad))
-            return [x[1] for x in chosen], [x[2] for x in chosen], [t for x in chosen for t in x[3]]
-
-        samples, prompts = out.samples, out.prompts
         trajectories = pending.generated.trajectories
+        groups = [dataclasses.replace(g, trajectories=trajectories[i * n : (i + 1) * n]) for i, g in enumerate(pending.groups)]  # fmt: skip
         metrics = self._score(pending.generated, clock)
+        dropped = 0
         curriculum = isinstance(p.sampler, OnlineCurriculum)
         if curriculum and c.curriculum.dynamic_filter:
-            kept, metrics = self._filter_groups(out, samples, prompts, trajectories, metrics, generate_and_score)
-            samples, prompts, trajectories = share_out(kept)
+            kept, metrics, dropped = self._filter_groups(groups, metrics, generate_and_score)
+            groups = self.share_out(kept)
         else:
-            # a judge failed under on_failure=drop_group: the group leaves the batch on every rank
-            dropped = set()
-            if p.reward.drops:
-                dropped = set().union(*self.ranks.gather(groups_to_drop(trajectories)))
-            if curriculum:
-                # every scored group teaches the tracker, on every rank in the same order
-                mine = [(g, s.uid, r) for g, s, r in zip(out.groups, samples, group_rewards()) if s.uid not in dropped]
-                for _, uid, group in sorted(x for part in self.ranks.gather(mine) for x in part):
-                    p.sampler.update(uid, group)
-            if dropped:
-                own = sum(s.uid in dropped for s in samples)  # summed over the ranks in the metrics
-                mine = [
-                    (g, s, q, trajectories[i * n : (i + 1) * n]) for i, (g, s, q) in enumerate(zip(out.groups, samples, prompts))
-                ]
-                batch = sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
-                kept = [x for x in batch if x[1].uid not in dropped]
-                samples, prompts, trajectories = share_out(kept)
-                for key in ("reward/dropped", "reward/dropped_groups"):  # batch/dropped_groups says it
-                    metrics.pop(key, None)
-                metrics.update(batch_summary([t for x in kept for t in x[3]]))
-                metrics["batch/dropped_groups"] = float(own)
-                out.dropped_groups += len(batch) - len(kept)
+            groups, metrics, dropped = self._drop_failed(groups, metrics, curriculum)
         if curriculum:
             metrics.update(p.sampler.metrics())
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
         if p.streaming is not None:  # reward work that overlapped generation (not waited for)
             metrics["time/reward_hidden"] = clock["reward_hidden"]
-        out.samples, out.prompts, out.trajectories, out.metrics = samples, prompts, trajectories, metrics
-        pending.done = True
+        return Settled(groups, dropped, metrics)
 
-    def _filter_groups(self, out: StepBatch, samples, prompts, trajectories, metrics, generate_and_score):
+    def _drop_failed(self, groups: list[Group], metrics: dict[str, float], curriculum: bool):
+        """A judge failed under on_failure=drop_group: the group leaves the batch on every rank,
+        and the kept groups are shared out again. The curriculum's tracker learns from every
+        scored group. Returns this rank's groups, the metrics and the groups dropped."""
+        p = self.p
+        dropped = set()
+        if p.reward.drops:
+            dropped = set().union(*self.ranks.gather(groups_to_drop([t for g in groups for t in g.trajectories])))
+        if curriculum:  # on every rank in the same order
+            mine = [(g.place, g.sample.uid, [t.reward for t in g.trajectories]) for g in groups if g.sample.uid not in dropped]
+            for _, uid, rewards in sorted(x for part in self.ranks.gather(mine) for x in part):
+                p.sampler.update(uid, rewards)
+        if not dropped:
+            return groups, metrics, 0
+        own = sum(g.sample.uid in dropped for g in groups)  # summed over the ranks in the metrics
+        batch = self._whole(groups)
+        kept = [g for g in batch if g.sample.uid not in dropped]
+        for key in ("reward/dropped", "reward/dropped_groups"):  # batch/dropped_groups says it
+            metrics.pop(key, None)
+        metrics.update(batch_summary([t for g in kept for t in g.trajectories]))
+        metrics["batch/dropped_groups"] = float(own)
+        return self.share_out(kept), metrics, len(batch) - len(kept)
+
+    def share_out(self, kept: list[Group]) -> list[Group]:
+        """This rank's part of every mini-batch of `kept` (the whole batch's groups in order,
+        each placed again by its index in `kept`). A mini-batch whose groups do not split evenly
+        over the ranks is padded: the ranks short of a group get a copy of the kept group with
+        the fewest tokens, with an all-zero loss mask, which adds no term to the loss and no
+        token or row to its denominators, so the update is the one of one process on the kept
+        groups. Pads (place None) come last; learn leaves them out of everything it reports."""
+        size = self.cfg.actor.mini_batch_size or len(kept)
+        places = []
+        for start in range(0, len(kept), size):
+            k = -(-min(size, len(kept) - start) // self.ranks.world)  # this rank's part, rounded up
+            places += [start + self.ranks.rank * k + i for i in range(k)]
+        chosen = [dataclasses.replace(kept[g], place=g) for g in places if g < len(kept)]
+        pads = len(places) - len(chosen)
+        if pads:
+            smallest = min(kept, key=lambda g: sum(len(t.response_ids) for t in g.trajectories))
+            for _ in range(pads):
+                pad = [dataclasses.replace(t, loss_mask=[0] * len(t.loss_mask)) for t in smallest.trajectories]
+                chosen.append(Group(None, smallest.sample, smallest.prompt, pad))
+        return chosen
+
+    def _filter_groups(self, groups: list[Group], metrics: dict[str, float], generate_and_score):
         """curriculum.dynamic_filter: over-sample prompts (at most max_oversample x B) until B
         groups whose rewards are not all equal, over every rank's groups; a group a failed judge
         dropped (on_failure=drop_group) counts as drawn, never as kept. Refills are split over
         the ranks like the first draw. Returns the kept groups of the whole batch in draw order,
-        as (place, sample, prompt, trajectories), for the caller to share out again (each rank
-        its part of every mini-batch, so the run equals one process's), and the step's metrics."""
-        c, n, B = self.cfg, self.cfg.rollout.n_agent, self.cfg.data.train_batch_size
+        for the caller to share out again (each rank its part of every mini-batch, so the run
+        equals one process's), the step's metrics and the groups dropped."""
+        c, B = self.cfg, self.cfg.data.train_batch_size
         sampler = self.p.sampler
-        scored = [(len(trajectories), metrics)]  # every scoring's metrics: counts add up
-        own = list(out.groups)  # the places of the groups this rank generated
-
-        def whole(places, samples, prompts, trajectories):  # every rank's groups, in batch order
-            mine = [(g, samples[i], prompts[i], trajectories[i * n : (i + 1) * n]) for i, g in enumerate(places)]
-            return sorted((x for part in self.ranks.gather(mine) for x in part), key=lambda x: x[0])
+        scored = [(len(groups) * c.rollout.n_agent, metrics)]  # every scoring's metrics: counts add up
+        own = [g.place for g in groups]  # the places of the groups this rank generated
 
         def rewards():  # a dropped group's: none (no signal)
-            dropped = groups_to_drop([t for *_, group in batch for t in group])
-            return [[] if sample.uid in dropped else [t.reward for t in group] for _, sample, _, group in batch]
+            dropped = groups_to_drop([t for g in batch for t in g.trajectories])
+            return [[] if g.sample.uid in dropped else [t.reward for t in g.trajectories] for g in batch]
 
-        batch = whole(out.groups, samples, prompts, trajectories)
+        batch = self._whole(groups)
         while (k := prompts_to_draw(rewards(), B, c.curriculum.max_oversample)) > 0:
             more_samples, more_prompts = self.next_prompts(extra=k)  # the same on every rank
             part = list(self.ranks.split(k))
-            picked = [more_samples[i] for i in part], [more_prompts[i] for i in part]
-            more, more_metrics = generate_and_score(*picked, part)
-            scored.append((len(more), more_metrics))
-            own += [len(batch) + i for i in part]
-            batch += whole([len(batch) + i for i in part], *picked, more)
+            drawn = [Group(len(batch) + i, more_samples[i], more_prompts[i], []) for i in part]
+            more, more_metrics = generate_and_score(drawn, part)
+            scored.append((len(more) * c.rollout.n_agent, more_metrics))
+            own += [g.place for g in drawn]
+            batch += self._whole(more)
         found = rewards()
-        for (_, sample, _, _), group in zip(batch, found):  # every scored group teaches the tracker
+        for g, group in zip(batch, found):  # every scored group teaches the tracker
             if group:
-                sampler.update(sample.uid, group)
-        usable = [g for g, group in enumerate(found) if group]
-        selection = select_groups([found[g] for g in usable], B)
+                sampler.update(g.sample.uid, group)
+        usable = [i for i, group in enumerate(found) if group]
+        selection = select_groups([found[i] for i in usable], B)
         sampler.note_selection(selection)
-        kept = [batch[usable[g]] for g in selection.keep]
+        kept = [batch[usable[i]] for i in selection.keep]
         counted = ("reward/errors", "reward/gated/", "reward/not_applicable/", "judge/")  # over every scoring of the step
         metrics = combine([(w, {k: v for k, v in m.items() if k.startswith(counted)}) for w, m in scored])
-        metrics.update(batch_summary([t for x in kept for t in x[3]]))
+        metrics.update(batch_summary([t for g in kept for t in g.trajectories]))
         metrics["batch/generated_groups"] = float(len(batch))
         metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
         if len(usable) < len(batch):
             metrics["batch/dropped_groups"] = float(sum(not found[g] for g in own))  # summed over the ranks
-            out.dropped_groups += len(batch) - len(usable)
-        return kept, metrics
+        return kept, metrics, len(batch) - len(usable)
 
 
 class Learner:
@@ -431,100 +409,33 @@ class Learner:
             return p.updater.score_all(p.ref_model, tensors)
 
     def learn(self, batch: StepBatch) -> dict[str, float]:
-        """Advantages, the update (ppo_epochs x mini-batches), the mismatch figures and the push;
-        the step's metrics, one value each over the ranks. `batch.trajectories` get their advantages."""
-        c, p, n = self.cfg, self.p, self.cfg.rollout.n_agent
-        t_reward = time.perf_counter()
-        trajectories, metrics = batch.trajectories, dict(batch.metrics)
+        """Advantages, the update (ppo_epochs x mini-batches), the mismatch figures and the push:
+        what learning measured, this rank's (the trainer reduces the step's metrics over the
+        ranks). `batch.trajectories` get their advantages."""
+        p = self.p
+        t_start = time.perf_counter()
         p.meter.start()  # the update phase's peak (perf/peak_gb/update)
-        real = len(batch.real)  # this rank's rows before its pads
-        tensors = build_step_tensors(
-            trajectories, p.device, mask_truncated=c.rollout.mask_truncated, pad_token_id=p.engine.pad_token_id
-        )
-        # the trainer's own log-probs of the sampled tokens, when a loss is taken after a first
-        # optimizer step or for a KL penalty; else the update's own first pass gives them (and,
-        # against an engine with its own copy of the weights, keeps them for the mismatch metrics)
-        if p.updater.needs_old_log_probs(len(batch.samples), tensors) or c.algorithm.kl_coef > 0:
-            tensors.old_log_probs = p.updater.score_all(p.policy, tensors)
-        # importance masking: what leaves the band leaves the loss mask (every term, every denominator)
-        p.updater.reject(tensors)
-        if p.ref_model is not None:
-            tensors.ref_log_probs = self.ref_log_probs(tensors)
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        kl_seq = None
-        if c.algorithm.kl_coef > 0:  # KL as a reward penalty: r - beta * sum_t KL_t
-            kl = kl_estimate(tensors.old_log_probs, tensors.ref_log_probs, c.algorithm.kl_penalty)
-            kl_seq = (kl * tensors.loss_mask).sum(-1).cpu()
-            rewards = rewards - c.algorithm.kl_coef * kl_seq
-        advantages = torch.zeros(len(trajectories))  # a pad's: masked out of the loss anyway
-        if real:  # a group = one drawn prompt
-            advantages[:real] = compute_advantages(
-                c.algorithm.adv_estimator,
-                rewards[:real],
-                [k // n for k in range(real)],
-                norm_by_std=c.algorithm.norm_adv_by_std,
-                epsilon=c.algorithm.adv_epsilon,
-            )
-        for t, a in zip(trajectories, advantages.tolist()):
-            t.advantage = a
-        tensors.advantages = advantages.to(p.device)
+        tensors, rewards, kl_seq = self.step_tensors(batch)
         t_prep = time.perf_counter()
-
         self.updating = True
         with p.optimizer_parked.present():  # in host memory outside the update (actor.optimizer_offload)
-            update = p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, len(batch.samples), p.params)
-        metrics.update(update.metrics)
-        if update.old_log_probs is not None:  # on policy: the log-probs the update took as old
-            tensors.old_log_probs = update.old_log_probs
+            update = p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, len(batch.groups), p.params)
+        metrics = dict(update.metrics)
         t_update = time.perf_counter()
         if tensors.rollout_log_probs is not None:  # vLLM's own copy, or the hf engine's record
-            metrics.update(self.rollout_correction(tensors))
-        # the update's activations and gradients are gone: what the allocator keeps of them goes
-        # back (CUDA's cached blocks, for vLLM's wake; a CPU's malloc heap, actor.update_malloc_trim)
-        if p.device.type != "cpu" or c.actor.update_malloc_trim:
-            release_cached_memory(p.device)
-        p.engine.weights_updated(p.model)  # the next rollout samples from the new weights
+            # on policy the update took its own first pass's log-probs as old
+            old = update.old_log_probs if update.old_log_probs is not None else tensors.old_log_probs
+            metrics.update(self.rollout_correction(tensors, old))
+        metrics.update(self.push(batch))
         t_synced = time.perf_counter()
         self.updating = False
-        metrics["time/weight_sync"] = t_synced - t_update
-        # pushes, wherever they ran (a sleeping engine pushes when it wakes); asynchronous runs
-        # push on the generation side, between batches (the pipeline reports them)
-        if batch.pushed_before is not None and not p.engine.reads_trainer_weights:
-            metrics["time/weight_push"] = p.engine.push_seconds - batch.pushed_before
-            metrics["perf/engine_freed_gb"] = p.engine.last_sleep_freed_bytes / 1024**3
-
-        kept = batch.real  # the pads' work is done
-        prompts = batch.prompts[: real // n]
-        # the batch's figures over every rank's rows: the same on every rank, whatever its share
-        own = {
-            "adv": advantages[:real].tolist(),
-            "length": [len(t.response_ids) for t in kept],
-            "truncated": [t.truncated for t in kept],
-            "flat": (rewards[:real].view(-1, n).std(-1, unbiased=False) == 0).float().tolist(),
-            "kl": kl_seq[:real].tolist() if kl_seq is not None else [],
-        }
-        every = {key: [v for part in self.ranks.gather(own) for v in part[key]] for key in own}
-        adv = torch.tensor(every["adv"])
-        lengths = torch.tensor(every["length"], dtype=torch.float32)
-        if kl_seq is not None:
-            metrics["reward/kl_penalty"] = float(torch.tensor(every["kl"]).mean())
-        gen_tokens = float(sum(own["length"]))  # this rank's (tokens per second add up over the ranks)
-        all_tokens = gen_tokens + sum(len(q) for q in prompts) * n
+        metrics.update(self.batch_figures(batch, rewards, kl_seq))
         metrics.update(
             {
-                "adv/mean": float(adv.mean()),
-                "adv/std": float(adv.std()) if len(adv) > 1 else 0.0,
-                "adv/max": float(adv.max()),
-                "adv/min": float(adv.min()),
-                "batch/zero_std_groups": float(torch.tensor(every["flat"]).mean()),
-                "response/length_mean": float(lengths.mean()),
-                "response/length_max": float(lengths.max()),
-                "response/truncated_frac": float(np.mean(every["truncated"])),
-                "time/old_ref_log_probs": t_prep - t_reward,
+                "time/old_ref_log_probs": t_prep - t_start,
                 "time/update": t_update - t_prep,
-                "time/step": t_synced - batch.started,
-                "perf/gen_tokens_per_s": gen_tokens / max(metrics["time/generate"], 1e-9),
-                "perf/tokens_per_s": all_tokens / max(t_synced - batch.started, 1e-9),
+                "time/weight_sync": t_synced - t_update,
+                "perf/tokens_per_s": self.tokens(batch) / max(t_synced - batch.started, 1e-9),
                 "perf/peak_rss_gb": peak_rss_gb(),
                 "perf/state_gb": state_gb(p.model, p.optimizer),
             }
@@ -532,21 +443,131 @@ class Learner:
         if torch.cuda.is_available() and p.device.type == "cuda":
             metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
         metrics.update(p.meter.measure("update"))
-        return reduce_step_metrics(metrics, self.ranks)  # one value per metric over the ranks
+        return metrics
 
-    def rollout_correction(self, tensors) -> dict[str, float]:
-        """How far the engine's log-probs are from the trainer's old ones on the policy's sampled
-        tokens (gap, KL, chi-square; per turn for agents) and, with algorithm.rollout_is, what
-        the correction did (mean weight, effective sample size, capped or masked share)."""
+    def step_tensors(self, batch: StepBatch) -> tuple[StepTensors, torch.Tensor, torch.Tensor | None]:
+        """The update's tensors, built once from what is known before it: the rows as sampled,
+        their old and reference log-probs, the loss mask after importance masking, the
+        advantages (written to the trajectories too); and each row's reward (KL-penalised) and
+        KL sum (None without algorithm.kl_coef)."""
+        c, p = self.cfg, self.p
+        trajectories = batch.trajectories
+        sampled = build_step_tensors(
+            trajectories, p.device, mask_truncated=c.rollout.mask_truncated, pad_token_id=p.engine.pad_token_id
+        )
+        # the trainer's own log-probs of the sampled tokens, when a loss is taken after a first
+        # optimizer step or for a KL penalty; else the update's own first pass gives them (and,
+        # against an engine with its own copy of the weights, keeps them for the mismatch metrics)
+        old = None
+        if p.updater.needs_old_log_probs(len(batch.groups), sampled) or c.algorithm.kl_coef > 0:
+            old = p.updater.score_all(p.policy, sampled)
+        # importance masking: what leaves the band leaves the loss mask (every term, every denominator)
+        loss_mask, policy_mask = p.updater.reject(sampled, old)
+        ref = self.ref_log_probs(sampled) if p.ref_model is not None else None
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        kl_seq = None
+        if c.algorithm.kl_coef > 0:  # KL as a reward penalty: r - beta * sum_t KL_t
+            kl = kl_estimate(old, ref, c.algorithm.kl_penalty)
+            kl_seq = (kl * loss_mask).sum(-1).cpu()
+            rewards = rewards - c.algorithm.kl_coef * kl_seq
+        advantages = self.advantages(rewards, len(batch.real_trajectories))
+        for t, a in zip(trajectories, advantages.tolist()):
+            t.advantage = a
+        tensors = dataclasses.replace(
+            sampled,
+            loss_mask=loss_mask,
+            policy_mask=policy_mask,
+            old_log_probs=old,
+            ref_log_probs=ref,
+            advantages=advantages.to(p.device),
+        )
+        return tensors, rewards, kl_seq
+
+    def advantages(self, rewards: torch.Tensor, real_rows: int) -> torch.Tensor:
+        """Each row's advantage within its group (n rows = one drawn prompt); a pad's is 0 (it is
+        masked out of the loss anyway)."""
+        a, n = self.cfg.algorithm, self.cfg.rollout.n_agent
+        advantages = torch.zeros(len(rewards))
+        if real_rows:
+            advantages[:real_rows] = compute_advantages(
+                a.adv_estimator,
+                rewards[:real_rows],
+                [k // n for k in range(real_rows)],
+                norm_by_std=a.norm_adv_by_std,
+                epsilon=a.adv_epsilon,
+            )
+        return advantages
+
+    def push(self, batch: StepBatch) -> dict[str, float]:
+        """The new weights to the engine (the next rollout samples from them), and how long the
+        pushes that fed and follow this batch took (time/weight_push)."""
+        c, p = self.cfg, self.p
+        # the update's activations and gradients are gone: what the allocator keeps of them goes
+        # back (CUDA's cached blocks, for vLLM's wake; a CPU's malloc heap, actor.update_malloc_trim)
+        if p.device.type != "cpu" or c.actor.update_malloc_trim:
+            release_cached_memory(p.device)
+        p.engine.weights_updated(p.model)  # the next rollout samples from the new weights
+        if batch.loaded is not None:  # asynchronous: the push into the generation copy, before the batch
+            return {"time/weight_push": batch.loaded.push}
+        # a synchronous run's pushes, wherever they ran (a sleeping engine pushes when it wakes)
+        metrics = {}
+        if batch.pushed_before is not None and not p.engine.reads_trainer_weights:
+            metrics["time/weight_push"] = p.engine.push_seconds - batch.pushed_before
+            metrics["perf/engine_freed_gb"] = p.engine.last_sleep_freed_bytes / 1024**3
+        return metrics
+
+    def tokens(self, batch: StepBatch) -> float:
+        """The tokens this rank's real rows hold, prompts and responses (tokens per second add up
+        over the ranks)."""
+        n = self.cfg.rollout.n_agent
+        generated = float(sum(len(t.response_ids) for t in batch.real_trajectories))
+        return generated + sum(len(g.prompt) for g in batch.real_groups) * n
+
+    def batch_figures(self, batch: StepBatch, rewards: torch.Tensor, kl_seq: torch.Tensor | None) -> dict[str, float]:
+        """The batch's advantages, lengths and KL over every rank's real rows (the same on every
+        rank, whatever its share; pads left out), and this rank's generated tokens per second."""
+        n = self.cfg.rollout.n_agent
+        real = batch.real_trajectories
+        own = {
+            "adv": [t.advantage for t in real],
+            "length": [len(t.response_ids) for t in real],
+            "truncated": [t.truncated for t in real],
+            "flat": (rewards[: len(real)].view(-1, n).std(-1, unbiased=False) == 0).float().tolist(),
+            "kl": kl_seq[: len(real)].tolist() if kl_seq is not None else [],
+        }
+        every = {key: [v for part in self.ranks.gather(own) for v in part[key]] for key in own}
+        adv = torch.tensor(every["adv"])
+        lengths = torch.tensor(every["length"], dtype=torch.float32)
+        gen_tokens = float(sum(own["length"]))  # this rank's (tokens per second add up over the ranks)
+        metrics = {
+            "adv/mean": float(adv.mean()),
+            "adv/std": float(adv.std()) if len(adv) > 1 else 0.0,
+            "adv/max": float(adv.max()),
+            "adv/min": float(adv.min()),
+            "batch/zero_std_groups": float(torch.tensor(every["flat"]).mean()),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncated_frac": float(np.mean(every["truncated"])),
+            "perf/gen_tokens_per_s": gen_tokens / max(batch.metrics["time/generate"], 1e-9),
+        }
+        if kl_seq is not None:
+            metrics["reward/kl_penalty"] = float(torch.tensor(every["kl"]).mean())
+        return metrics
+
+    def rollout_correction(self, tensors: StepTensors, old_log_probs: torch.Tensor) -> dict[str, float]:
+        """How far the engine's log-probs are from the trainer's old ones (`old_log_probs`) on the
+        policy's sampled tokens (gap, KL, chi-square; per turn for agents) and, with
+        algorithm.rollout_is, what the correction did (mean weight, effective sample size,
+        capped or masked share)."""
         a, p = self.cfg.algorithm, self.p
-        old, rollout = tensors.old_log_probs.float(), tensors.rollout_log_probs.float()
+        old, rollout = old_log_probs.float(), tensors.rollout_log_probs.float()
         mask = tensors.policy_mask if tensors.policy_mask is not None else tensors.loss_mask
         found = logprob_mismatch(old, rollout, mask, a.mismatch_threshold)
         metrics = {
             f"rollout/{k if k.startswith(('kl_', 'chi2_')) else f'mismatch_{k}'}": float(v) for k, v in found.items()
         }
         if p.rollout_is != "off":
-            _, _, is_metrics = p.updater.correction(tensors, mask)
+            _, _, is_metrics = p.updater.correction(old_log_probs, tensors.rollout_log_probs, mask)
             metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
         if p.agent is not None:  # per policy turn, over every rank's tokens
             turns = self.cfg.agent.max_turns

@@ -7,6 +7,7 @@ setup.py, the two halves of a step from step.py, evaluation from evaluation.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -29,10 +30,13 @@ from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.memory import PeakMeter
 from grouprl.trainer.parallel import inner, whole_state_dict
 from grouprl.trainer.pipeline import RolloutPipeline
-from grouprl.trainer.setup import build
-from grouprl.trainer.step import Collector, Learner, StepBatch, reduce_step_metrics
+from grouprl.trainer.setup import Parts, build
+from grouprl.trainer.step import Collector, Learner, reduce_step_metrics
+from grouprl.trainer.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
+
+PART_NAMES = frozenset(f.name for f in dataclasses.fields(Parts))
 
 
 def drop_lines_after(path: Path, step: int) -> None:
@@ -62,25 +66,15 @@ def resume_when(e: RewardUnavailableError) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         PeakMeter.reset_host()  # the start-up phase's peak: a CPU's from here, CUDA's since the process began
-        parts = build(cfg)  # a mistake in the data, rewards or settings fails here, one line
-        self.cfg = cfg = parts.cfg  # what depends on the devices settled (memory.plan_run)
+        # the run's parts, held here only (read as trainer.<part>: __getattr__)
+        self.parts = parts = build(cfg)  # a mistake in the data, rewards or settings fails here, one line
+        cfg = parts.cfg  # what depends on the devices settled (memory.plan_run)
         # each phase's measured peak (perf/peak_gb/<phase>): start-up's logged with the first step
         self._startup_peak: dict[str, float] = parts.meter.measure("startup")
-        # the parts, as attributes of the same names (setup.Parts)
-        self.run_dir, self.ranks, self.device = parts.run_dir, parts.ranks, parts.device
-        self.train_samples, self.val_samples = parts.train_samples, parts.val_samples
-        self.train_prompts, self.val_prompts = parts.train_prompts, parts.val_prompts
-        self.model, self.tokenizer, self.vision, self.family = parts.model, parts.tokenizer, parts.vision, parts.family
-        self.policy, self.ref_model, self.params = parts.policy, parts.ref_model, parts.params
-        self.optimizer, self.scheduler, self.updater = parts.optimizer, parts.scheduler, parts.updater
-        self.engine, self.agent, self.streaming = parts.engine, parts.agent, parts.streaming
-        self.reward, self.sampler, self.total_steps = parts.reward, parts.sampler, parts.total_steps
-        self.engine_differs, self.rollout_is = parts.engine_differs, parts.rollout_is
-        self.parts = parts
         self.collector = Collector(cfg, parts)  # a step's first half: its batch
         self.learner = Learner(cfg, parts)  # its second half: the update
         self.evaluator = Evaluator(cfg, parts, self.collector)
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.keep_last, barrier=self.ranks.barrier)
+        self.checkpoints = CheckpointManager(parts.run_dir, cfg.trainer.keep_last, barrier=parts.ranks.barrier)
         self.step = 0
         self._groups: list[int] = []  # this rank's groups of the last step (their places in the batch)
         self.history: list[dict] = []  # evaluation results by step
@@ -97,19 +91,27 @@ class Trainer:
         # a resumed fixed-lag run's weights of the older versions its first batches sample from
         self.pipeline: RolloutPipeline | None = None
         self._ahead_weights: dict[int, dict[str, torch.Tensor]] = {}
-        self._step_clock: float | None = None
+        self._step_clock: float | None = None  # asynchronous: when the last step ended
         self._resume()
+
+    def __getattr__(self, name: str):
+        """The run's parts (setup.Parts: cfg, model, engine, ...) read as the trainer's own;
+        `self.parts` is the one place that holds them."""
+        parts = self.__dict__.get("parts")
+        if parts is not None and name in PART_NAMES:
+            return getattr(parts, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
         state = {
             "step": self.step,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.parts.sampler.state_dict(),
             "rng": rng_state(),
             "history": list(self.history),  # copies: a snapshot taken before a step stays as it was
             "best_metric": self.best_metric,
             "counters": dict(self.counters),
-            "total_steps": self.total_steps,
+            "total_steps": self.parts.total_steps,
         }
         if self.parts.ahead is not None:  # batches generated ahead are made again after a resume
             if self.pipeline is not None:
@@ -127,36 +129,36 @@ class Trainer:
         path = Path(t.resume_from_path) if t.resume_mode == "path" else self.checkpoints.latest()
         if path is None:
             return
-        ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
+        ref = self.parts.ref_model if isinstance(self.parts.ref_model, torch.nn.Module) else None
         with self._parked_present():  # loaded where they live during the update
-            state = CheckpointManager.load(path, self.policy, self.optimizer, self.scheduler, ref_model=ref)
-        if not self.ranks.distributed:  # torch loads an optimizer's state onto its parameters' device
+            state = CheckpointManager.load(path, self.parts.policy, self.parts.optimizer, self.parts.scheduler, ref_model=ref)
+        if not self.parts.ranks.distributed:  # torch loads an optimizer's state onto its parameters' device
             self.parts.optimizer_parked.where = "device"
             self.parts.optimizer_parked.out()
         self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
+        self.parts.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         self.history = state["history"]
         self.best_metric = state["best_metric"]
         self.counters = state["counters"]
         self._ahead_weights = {int(v): w for v, w in state.get("ahead_weights", {}).items()}
-        self.engine.weights_updated(self.model)
+        self.parts.engine.weights_updated(self.parts.model)
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
-        ref = self.ref_model if isinstance(self.ref_model, torch.nn.Module) else None
+        ref = self.parts.ref_model if isinstance(self.parts.ref_model, torch.nn.Module) else None
         state = trainer_state or self._trainer_state()
         with self._parked_present():  # saved as the update sees them (sharded saves gather on the device)
             path = self.checkpoints.save(
                 state["step"],
-                self.policy,
-                self.optimizer,
-                self.scheduler,
+                self.parts.policy,
+                self.parts.optimizer,
+                self.parts.scheduler,
                 state,
                 ref_model=ref,
-                write=self.ranks.main,
+                write=self.parts.ranks.main,
             )
-        self.ranks.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
+        self.parts.ranks.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
         return path
 
     @contextlib.contextmanager
@@ -164,7 +166,7 @@ class Trainer:
         """For a sharded save or load: the reference and the optimizer state on the device inside
         (they live in host memory between their uses with actor.reference_offload /
         optimizer_offload). One process saves them from host memory as they are."""
-        if not self.ranks.distributed:
+        if not self.parts.ranks.distributed:
             yield
             return
         with self.parts.reference_parked.present(), self.parts.optimizer_parked.present():
@@ -174,60 +176,66 @@ class Trainer:
     def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
         """collect, then learn; the step's metrics (one value each over the ranks) and this rank's
         trajectories."""
+        p = self.parts
         self._sweep_once()
-        if self.parts.ahead is not None and self.pipeline is None:
+        if p.ahead is not None and self.pipeline is None:
             self._start_pipeline()
         # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
         self._pre_step_state = self._trainer_state()
         waited = time.perf_counter()
         if self.pipeline is None:  # asynchronous runs generate beside the update: one peak, the update's
-            self.parts.meter.start()
+            p.meter.start()
         batch = self._collect()
         waited = time.perf_counter() - waited
-        if self.pipeline is None:
-            batch.metrics.update(self.parts.meter.measure("generation"))
-        batch.metrics.update(self._startup_peak)
+        peaks = {**(p.meter.measure("generation") if self.pipeline is None else {}), **self._startup_peak}
         self._startup_peak = {}
-        self._groups = batch.groups
+        self._groups = batch.places
         self.counters["dropped_groups"] += batch.dropped_groups
-        if not batch.trajectories:  # every group dropped (judge failures), on every rank alike
+        learned = {}
+        if not batch.groups:  # every group dropped (judge failures), on every rank alike
             log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
-            metrics = reduce_step_metrics(dict(batch.metrics), self.ranks)
             self.counters["steps_without_update"] += 1
         else:
-            metrics = self.learner.learn(batch)
-            self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
-        self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))  # every rank's
+            learned = self.learner.learn(batch)
         self.step += 1
         if self.pipeline is not None:  # the batches that sample from these weights may start
-            self.pipeline.publish(self.step, self.model)
-            now = time.perf_counter()
-            metrics["time/step"] = now - self._step_clock  # generation overlaps: step to step
-            metrics["time/wait_batch"] = waited  # the update waited for its batch
-            self._step_clock = now
+            self.pipeline.publish(self.step, p.model)
+        metrics = reduce_step_metrics({**batch.metrics, **peaks, **learned, **self._step_time(batch, waited)}, p.ranks)
+        self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
+        self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))  # every rank's
         refresh = self.cfg.algorithm.ref_refresh_steps
-        if refresh and self.step % refresh == 0 and isinstance(self.ref_model, torch.nn.Module):
-            with self.parts.reference_parked.present():
-                inner(self.ref_model).load_state_dict(self.model.state_dict())
+        if refresh and self.step % refresh == 0 and isinstance(p.ref_model, torch.nn.Module):
+            with p.reference_parked.present():
+                inner(p.ref_model).load_state_dict(p.model.state_dict())
         # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
-        return metrics, batch.real
+        return metrics, batch.real_trajectories
+
+    def _step_time(self, batch: StepBatch, waited: float) -> dict[str, float]:
+        """time/step: from the batch's start to now, the update and its push done; asynchronous
+        runs generate beside the update, so theirs is step to step (and time/wait_batch the
+        time the update waited for its batch)."""
+        now = time.perf_counter()
+        if self.pipeline is None:
+            return {"time/step": now - batch.started}
+        since, self._step_clock = self._step_clock, now
+        return {"time/step": now - since, "time/wait_batch": waited}
 
     def _sweep_once(self) -> None:
         """Before this process writes anything (fit's start, or a first step run on its own): the
         temp folders of writes a killed run left unfinished go, removed by the first rank while
         the others wait (no rank writes before the sweep is done)."""
         if not self.checkpoints.swept:
-            self.checkpoints.sweep((self.run_dir / "final", self.run_dir / "best"), remove=self.ranks.main)
-            self.ranks.barrier()
+            self.checkpoints.sweep((self.parts.run_dir / "final", self.parts.run_dir / "best"), remove=self.parts.ranks.main)
+            self.parts.ranks.barrier()
 
     def _start_pipeline(self) -> None:
         """Generation ahead of the update, from this step on (a resumed run's batches again)."""
         self.pipeline = RolloutPipeline(
-            self.cfg, self.parts, self.step, self.total_steps, snapshots=self._ahead_weights
+            self.cfg, self.parts, self.step, self.parts.total_steps, snapshots=self._ahead_weights
         )
-        self.pipeline.start(self.step, self.model)
+        self.pipeline.start(self.step, self.parts.model)
         self._ahead_weights = {}  # the pipeline holds them now
         self._step_clock = time.perf_counter()
 
@@ -248,7 +256,7 @@ class Trainer:
         except (RewardUnavailableError, EngineProcessEnded) as e:
             pre = self._pre_step_state
             once = e.resume if isinstance(e, EngineProcessEnded) else resume_when(e)
-            if isinstance(e, EngineProcessEnded) and self.ranks.distributed:
+            if isinstance(e, EngineProcessEnded) and self.parts.ranks.distributed:
                 raise
             if pre is not None and pre["step"] > 0:
                 path = self.save_checkpoint(pre)
@@ -269,22 +277,22 @@ class Trainer:
             return
         if val["val/accuracy"] > self.best_metric:
             self.best_metric = val["val/accuracy"]
-            self._export(self.run_dir / "best", merge_lora=False, meta={"step": self.step, **val})
+            self._export(self.parts.run_dir / "best", merge_lora=False, meta={"step": self.step, **val})
 
     def _export(self, target: Path, *, merge_lora: bool, meta: dict) -> None:
         """A Hugging Face folder of the policy, whole (gathered from the ranks), written once."""
-        state = whole_state_dict(self.model) if self.ranks.distributed else None  # every rank gathers
-        if self.ranks.main:
+        state = whole_state_dict(self.parts.model) if self.parts.ranks.distributed else None  # every rank gathers
+        if self.parts.ranks.main:
             export_model(
-                self.model,
-                self.tokenizer,
+                self.parts.model,
+                self.parts.tokenizer,
                 target,
                 merge_lora=merge_lora,
                 meta=meta,
-                processor=self.vision,
+                processor=self.parts.vision,
                 state_dict=state,
             )
-        self.ranks.barrier()
+        self.parts.ranks.barrier()
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -292,12 +300,12 @@ class Trainer:
         logs = self._open_logs()
         try:
             self._sweep_once()  # before the baseline evaluation, which may write best/
-            if c.val_before_train and self.step == 0 and self.val_samples:
+            if c.val_before_train and self.step == 0 and self.parts.val_samples:
                 val = self._evaluate_and_keep_best(logs)
                 logs.say(f"baseline eval: {_fmt(val)}")
                 logs.log(val, self.step)
             started = time.perf_counter()  # max_time_minutes counts training, not the baseline
-            while self.step < self.total_steps:
+            while self.step < self.parts.total_steps:
                 if c.max_time_minutes and time.perf_counter() - started > c.max_time_minutes * 60:
                     logs.say(
                         f"time limit of {c.max_time_minutes:g} min reached at step {self.step} "
@@ -307,27 +315,27 @@ class Trainer:
                 metrics, trajectories = self.train_step()
                 if c.log_rollouts:
                     logs.rollouts(self, trajectories)
-                if c.test_freq and self.step % c.test_freq == 0 and self.step < self.total_steps and self.val_samples:
+                if c.test_freq and self.step % c.test_freq == 0 and self.step < self.parts.total_steps and self.parts.val_samples:
                     metrics.update(self._evaluate_and_keep_best(logs))
                 logs.log(metrics, self.step)
                 if c.save_freq and self.step % c.save_freq == 0:
                     self.save_checkpoint()
-            if self.val_samples and (not self.history or self.history[-1]["step"] != self.step):
+            if self.parts.val_samples and (not self.history or self.history[-1]["step"] != self.step):
                 logs.log(self._evaluate_and_keep_best(logs), self.step)
             if c.save_last:
                 self.save_checkpoint()
             if c.save_final:
-                self._export(self.run_dir / "final", merge_lora=True, meta={"step": self.step})
+                self._export(self.parts.run_dir / "final", merge_lora=True, meta={"step": self.step})
         except KeyboardInterrupt:
             self._interrupted(logs.say)
             raise
         finally:
             self.close_pipeline()
             logs.close()
-            if self.streaming is not None:  # closed for good: a later step scores after generating
-                self.streaming.close()
-                self.streaming = self.parts.streaming = None
-            self.reward.close()
+            if self.parts.streaming is not None:  # closed for good: a later step scores after generating
+                self.parts.streaming.close()
+                self.parts.streaming = None
+            self.parts.reward.close()
         return self._finish(logs.say)
 
     def _evaluate_and_keep_best(self, logs: _Logs) -> dict[str, float]:
@@ -346,18 +354,18 @@ class Trainer:
         (the resumed run redoes them; resume_mode=disable starts them afresh). With several
         ranks, the first one writes them."""
         c = self.cfg.trainer
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.parts.run_dir.mkdir(parents=True, exist_ok=True)
         keep_until = -1 if c.resume_mode == "disable" else self.step
-        main = self.ranks.main
+        main = self.parts.ranks.main
         if main:
             for name in ("metrics.jsonl", "rollouts.jsonl"):
-                drop_lines_after(self.run_dir / name, keep_until)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+                drop_lines_after(self.parts.run_dir / name, keep_until)
+            (self.parts.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         loggers = (
             make_loggers(
                 c.loggers,
-                self.run_dir,
-                total_steps=self.total_steps,
+                self.parts.run_dir,
+                total_steps=self.parts.total_steps,
                 start_step=self.step,
                 project=c.project_name,
                 experiment=c.experiment_name,
@@ -366,7 +374,7 @@ class Trainer:
             if main
             else []
         )
-        writer = RolloutWriter(self.run_dir / "rollouts.jsonl", c.experiment_name) if c.log_rollouts and main else None
+        writer = RolloutWriter(self.parts.run_dir / "rollouts.jsonl", c.experiment_name) if c.log_rollouts and main else None
         return _Logs(loggers, writer, main)
 
     def _interrupted(self, say) -> None:
@@ -387,17 +395,17 @@ class Trainer:
     def _finish(self, say) -> dict:
         """The summary (and the before/after image report, where evaluations drew images)."""
         summary = self.summary()
-        images, main = self.evaluator.images, self.ranks.main
+        images, main = self.evaluator.images, self.parts.ranks.main
         if main and self.evaluator.originals is not None and len(images) >= 2:
             (first, before), (last, after) = images[0], images[-1]
             summary["image_report"] = write_report(
-                self.run_dir / "report", self.evaluator.originals, before, after, (first, last)
+                self.parts.run_dir / "report", self.evaluator.originals, before, after, (first, last)
             )
-            say(summary["image_report"] + f" (report: {self.run_dir / 'report' / 'grid.png'})")
+            say(summary["image_report"] + f" (report: {self.parts.run_dir / 'report' / 'grid.png'})")
         if main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.parts.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(summary["line"])
-        self.ranks.close()
+        self.parts.ranks.close()
         return summary
 
     def summary(self) -> dict:
@@ -419,7 +427,7 @@ class Trainer:
             "final": final,
             "history": self.history,
             "counters": self.counters,
-            "run_dir": str(self.run_dir),
+            "run_dir": str(self.parts.run_dir),
         }
 
 
@@ -447,12 +455,12 @@ class _Logs:
         for t in trajectories:
             self.prompt_text.setdefault(t.uid, t.sample.messages[-1].get("content", ""))
         lines = RolloutWriter.lines(
-            c.trainer.experiment_name, trainer.step, trajectories, self.prompt_text, trainer.run_dir / "images"
+            c.trainer.experiment_name, trainer.step, trajectories, self.prompt_text, trainer.parts.run_dir / "images"
         )
         n = c.rollout.n_agent
-        groups = trainer._groups if trainer.ranks.distributed else range(len(lines) // n + 1)
+        groups = trainer._groups if trainer.parts.ranks.distributed else range(len(lines) // n + 1)
         mine = [(groups[k // n], k % n, line) for k, line in enumerate(lines)]
-        every = sorted(y for part in trainer.ranks.gather(mine) for y in part)
+        every = sorted(y for part in trainer.parts.ranks.gather(mine) for y in part)
         if self.writer is not None:
             self.writer.write_lines([x[2] for x in every])
 

@@ -174,7 +174,6 @@ class PolicyUpdater:
         self.rollout_is, self.rollout_is_cap = rollout_is, rollout_is_cap
         self.rollout_is_mode, self.rollout_is_lower = rollout_is_mode, rollout_is_lower
         self.norm_length = norm_length
-        self._recorded: torch.Tensor | None = None  # [N, R] on-policy log-probs of the current update
         self.compute_dtype = compute_dtype  # autocast dtype of forward passes (None = parameter dtype)
         self.skip_nonfinite = skip_nonfinite
         self.temperature = temperature if temperature > 0 else 1.0
@@ -285,47 +284,38 @@ class PolicyUpdater:
         """Importance masking applies to these tensors (mask mode, the engine's log-probs known)."""
         return self.rollout_is != "off" and self.rollout_is_mode == "mask" and tensors.rollout_log_probs is not None
 
-    def correction(self, tensors: StepTensors, mask: torch.Tensor, rows=slice(None)):
-        """(weights, keep, metrics) of the importance correction for `rows` of `tensors`, whose
-        old log-probs are known, over `mask`."""
+    def correction(self, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor):
+        """(weights, keep, metrics) of the importance correction of the engine's samples
+        (`rollout_log_probs`) against `old_log_probs`, over `mask`."""
         return rollout_correction(
             self.rollout_is,
             self.rollout_is_mode,
-            tensors.old_log_probs[rows].float(),
-            tensors.rollout_log_probs[rows].float(),
+            old_log_probs.float(),
+            rollout_log_probs.float(),
             mask,
             upper=self.rollout_is_cap,
             lower=self.rollout_is_lower,
         )
 
-    def reject(self, tensors: StepTensors) -> None:
-        """Mask mode: the sampled tokens (or sequences) whose ratio pi_old / pi_rollout leaves the
-        band leave `loss_mask` before the update, so they leave every term of the loss and its
-        denominator (token or sequence count); `policy_mask` keeps the mask as sampled."""
-        if not self.masks(tensors) or tensors.policy_mask is not None:
-            return
-        _, keep, _ = self.correction(tensors, tensors.loss_mask)
-        tensors.policy_mask = tensors.loss_mask
-        tensors.loss_mask = tensors.loss_mask * keep.to(tensors.loss_mask.dtype)
+    def reject(
+        self, tensors: StepTensors, old_log_probs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loss mask the update takes and the mask as sampled (`policy_mask`, None when
+        nothing is masked), for tensors whose old log-probs are `old_log_probs`. Mask mode: the
+        sampled tokens (or sequences) whose ratio pi_old / pi_rollout leaves the band leave the
+        loss mask before the update, so they leave every term of the loss and its denominator
+        (token or sequence count). `tensors` are read, never written."""
+        if not self.masks(tensors):
+            return tensors.loss_mask, None
+        _, keep, _ = self.correction(old_log_probs, tensors.rollout_log_probs, tensors.loss_mask)
+        return tensors.loss_mask * keep.to(tensors.loss_mask.dtype), tensors.loss_mask
 
     def update(self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params) -> Update:
         """ppo_epochs x mini-batches of `tensors` (this rank's rows of `num_prompts` groups), one
         optimizer step each; `tensors` are read, never written."""
-        # the head's weight gradient goes straight into .grad (logprobs.py); on a CPU, the layers
-        # keep fewer activations and freed memory goes back to the OS (grouprl.cpu)
-        with block_masks(model, self.cfg.shared_prefix):  # flash kernels take no block masks: sdpa
-            if self.ranks.distributed:  # the CPU devices patch layers FSDP already manages
-                return self._update(model, optimizer, scheduler, tensors, num_prompts, params, lambda: None)
-            with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
-                return self._update(model, optimizer, scheduler, tensors, num_prompts, params, before_backward)
-
-    def _update(
-        self, model, optimizer, scheduler, tensors: StepTensors, num_prompts: int, params, before_backward
-    ) -> Update:
         cfg = self.cfg
         n_rows = len(tensors.prompt_ids)
-        world = self.ranks.world
-        mini_prompts = cfg.mini_batch_size // world  # this rank's share of a mini-batch
+        mini_prompts = cfg.mini_batch_size // self.ranks.world  # this rank's share of a mini-batch
         if mini_prompts and mini_prompts < num_prompts:
             rows_per_mini = mini_prompts * (n_rows // max(num_prompts, 1))
         else:  # the whole batch in one step, even if groups are uneven (n_rows % num_prompts != 0)
@@ -333,89 +323,101 @@ class PolicyUpdater:
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         # on-policy (no old log-probs given): the first pass's detached log-probs are the old
-        # ones; against an engine's samples they are kept, for the mismatch metrics
+        # ones; against an engine's samples they are recorded, for the mismatch metrics
+        recorded = None
         if tensors.old_log_probs is None and tensors.rollout_log_probs is not None:
-            self._recorded = tensors.loss_mask.new_zeros(tensors.loss_mask.shape, dtype=torch.float32)
-        else:
-            self._recorded = None
-        model.train()
-        lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
-        for _epoch in range(cfg.ppo_epochs):
-            # groups stay whole inside a mini-batch: rows are in group order and the size is a
-            # multiple of n_agent
-            for mini in split(list(range(n_rows)), rows_per_mini):
-                mini_mask = tensors.loss_mask[mini]
-                # the mini-batch's tokens / rows over every rank; the ranks' gradients are summed
-                # (FSDP averages: x world); and how many ranks' rows have images (the sync runs
-                # the tower on every rank when one did)
-                totals = self.ranks.reduce(
-                    [
-                        batch_total(cfg.loss_agg_mode, mini_mask),
-                        batch_total("token-mean", mini_mask),
-                        float(self._with_images(tensors, mini)),
-                    ]
-                )
-                mode_total, token_total, with_images = totals
-                optimizer.zero_grad(set_to_none=True)
-                with accumulating(model):  # several ranks: whole weights, no collective until the sync
-                    micro_metrics: dict[str, float] = defaultdict(float)
-                    # the opening all prompts share runs once: every micro-batch backpropagates into
-                    # its leaves, then the opening once, after all of them (likewise a group's prompt)
-                    opening = self.opening_forward(model, tensors, mini)
-                    opened = opening.detached() if opening is not None else None
-                    for unit in self.plan(tensors, mini):
-                        # a group split over several micro-batches runs its prompt once: the
-                        # micro-batches backpropagate into the prefix's leaves, then the prefix once
-                        prefix = (
-                            self._prefix(model, unit, tensors, opened)
-                            if len(unit.micro_batches) > 1
-                            else None
-                        )
-                        leaves = prefix.detached() if prefix is not None else None
-                        for micro in unit.micro_batches:
-                            weight = micro_batch_weight(
-                                cfg.loss_agg_mode, tensors.loss_mask[micro], mode_total
-                            )
-                            token_share = micro_batch_weight(
-                                "token-mean", tensors.loss_mask[micro], token_total
-                            )
-                            loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened)
-                            if weight > 0:
-                                before_backward()
-                                (loss * (weight * world)).backward()
-                            for k, v in m.items():
-                                micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
-                        if prefix is not None:
-                            prefix.backward_from(leaves)
-                            del prefix, leaves
-                    if opening is not None:
-                        opening.backward_from(opened)
-                        del opening, opened
-                    sync_gradients(model, self.pad_token_id, self.vision if with_images else None)
-                if self.ranks.distributed:  # each rank's metrics are its share of the mini-batch's
-                    keys = sorted(micro_metrics)
-                    micro_metrics = defaultdict(
-                        float, zip(keys, self.ranks.reduce([micro_metrics[k] for k in keys]))
-                    )
-                grad_norm = self._clip(params)
-                finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
-                if finite or not self.skip_nonfinite:
-                    optimizer.step()
-                    scheduler.step()
-                else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
-                    log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
-                    sums["actor/skipped_steps"] += 1
-                optimizer.zero_grad(set_to_none=True)  # freed now, not held through the next rollout
-                for k, v in micro_metrics.items():
-                    sums[k] += v
-                    counts[k] += 1
-                sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
-                counts["actor/grad_norm"] += 1
-        recorded, self._recorded = self._recorded, None
+            recorded = tensors.loss_mask.new_zeros(tensors.loss_mask.shape, dtype=torch.float32)
+        with self._updating(model) as before_backward:
+            model.train()
+            lr_used = scheduler.get_last_lr()[0]  # the lr of this step's first optimizer step
+            for _epoch in range(cfg.ppo_epochs):
+                # groups stay whole inside a mini-batch: rows are in group order and the size is a
+                # multiple of n_agent
+                for mini in split(list(range(n_rows)), rows_per_mini):
+                    optimizer.zero_grad(set_to_none=True)
+                    micro_metrics = self._gradients(model, tensors, mini, before_backward, recorded)
+                    grad_norm = self._clip(params)
+                    finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                    if finite or not self.skip_nonfinite:
+                        optimizer.step()
+                        scheduler.step()
+                    else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
+                        log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
+                        sums["actor/skipped_steps"] += 1
+                    optimizer.zero_grad(set_to_none=True)  # freed now, not held through the next rollout
+                    for k, v in micro_metrics.items():
+                        sums[k] += v
+                        counts[k] += 1
+                    sums["actor/grad_norm"] += grad_norm if math.isfinite(grad_norm) else 0.0
+                    counts["actor/grad_norm"] += 1
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
         return Update(out, recorded)
+
+    @contextlib.contextmanager
+    def _updating(self, model):
+        """Around an update: sdpa (flash kernels take no block masks); in one process the head's
+        weight gradient goes straight into .grad (logprobs.py) and, on a CPU, the layers keep
+        fewer activations and freed memory goes back to the OS (grouprl.cpu: it yields what runs
+        before each backward). The CPU devices patch layers FSDP already manages: not on several
+        ranks."""
+        with block_masks(model, self.cfg.shared_prefix):
+            if self.ranks.distributed:
+                yield lambda: None
+                return
+            with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
+                yield before_backward
+
+    def _gradients(
+        self, model, tensors: StepTensors, mini: list[int], before_backward, recorded: torch.Tensor | None
+    ) -> dict[str, float]:
+        """One mini-batch's gradients, accumulated over its micro-batches and synced over the
+        ranks, and its metrics (the mini-batch's values, over every rank). `recorded`: where the
+        on-policy old log-probs go (None: not kept)."""
+        cfg, world = self.cfg, self.ranks.world
+        mini_mask = tensors.loss_mask[mini]
+        # the mini-batch's tokens / rows over every rank; the ranks' gradients are summed (FSDP
+        # averages: x world); and how many ranks' rows have images (the sync runs the tower on
+        # every rank when one did)
+        mode_total, token_total, with_images = self.ranks.reduce(
+            [
+                batch_total(cfg.loss_agg_mode, mini_mask),
+                batch_total("token-mean", mini_mask),
+                float(self._with_images(tensors, mini)),
+            ]
+        )
+        micro_metrics: dict[str, float] = defaultdict(float)
+        with accumulating(model):  # several ranks: whole weights, no collective until the sync
+            # the opening all prompts share runs once: every micro-batch backpropagates into its
+            # leaves, then the opening once, after all of them (likewise a group's prompt)
+            opening = self.opening_forward(model, tensors, mini)
+            opened = opening.detached() if opening is not None else None
+            for unit in self.plan(tensors, mini):
+                # a group split over several micro-batches runs its prompt once: the micro-batches
+                # backpropagate into the prefix's leaves, then the prefix once
+                prefix = self._prefix(model, unit, tensors, opened) if len(unit.micro_batches) > 1 else None
+                leaves = prefix.detached() if prefix is not None else None
+                for micro in unit.micro_batches:
+                    weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mode_total)
+                    token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], token_total)
+                    loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened, recorded)
+                    if weight > 0:
+                        before_backward()
+                        (loss * (weight * world)).backward()
+                    for k, v in m.items():
+                        micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
+                if prefix is not None:
+                    prefix.backward_from(leaves)
+                    del prefix, leaves
+            if opening is not None:
+                opening.backward_from(opened)
+                del opening, opened
+            sync_gradients(model, self.pad_token_id, self.vision if with_images else None)
+        if self.ranks.distributed:  # each rank's metrics are its share of the mini-batch's
+            keys = sorted(micro_metrics)
+            micro_metrics = defaultdict(float, zip(keys, self.ranks.reduce([micro_metrics[k] for k in keys])))
+        return micro_metrics
 
     def _with_images(self, tensors: StepTensors, rows: list[int]) -> bool:
         """Some of `rows` shows the policy an image (in its prompt or a later turn)."""
@@ -430,7 +432,7 @@ class PolicyUpdater:
         return float(torch.stack(grads).norm()) if grads else 0.0
 
     def _micro_loss(
-        self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None
+        self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None, recorded=None
     ):
         cfg = self.cfg
         want_entropy = cfg.entropy_coef != 0
@@ -439,12 +441,12 @@ class PolicyUpdater:
         )
         loss_mask = tensors.loss_mask[micro]
         old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()
-        if self._recorded is not None:
-            self._recorded[micro] = old.float()
+        if recorded is not None:  # on policy: the old log-probs this update took, kept
+            recorded[micro] = old.float()
         weights = None
         if self.rollout_is != "off" and tensors.rollout_log_probs is not None:  # per row: exact per micro-batch
             if self.rollout_is_mode == "mask" and tensors.policy_mask is None:
-                raise RuntimeError("importance masking needs PolicyUpdater.reject(tensors) before the update")
+                raise RuntimeError("importance masking needs PolicyUpdater.reject's masks before the update")
             weights, _, _ = rollout_correction(
                 self.rollout_is,
                 self.rollout_is_mode,

@@ -1,0 +1,225 @@
+"""The two halves of a step on their own: Collector.collect and Learner.learn driven directly,
+on a tiny model whose engine is a fake (fixed responses, weight pushes that take a set time),
+with expected values worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny import A_FRACTION, tiny_model_dir, write_run_config
+
+from grouprl.config import load_config
+from grouprl.rollout.engines.base import Generation
+from grouprl.rollout.engines.streams import RowStreams, mix_seed
+from grouprl.rollout.single_turn import SingleTurn
+from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.parallel import Ranks
+from grouprl.trainer.setup import build
+from grouprl.trainer.step import Collector, Learner
+from grouprl.trainer.step_batch import Group, Loaded, StepBatch
+from grouprl.trainer.update import build_step_tensors
+
+# each call answers every prompt's n = 4 samples with these, in order; A_FRACTION scores the
+# share of "a" in the text
+RESPONSES = ["aab", "bbb", "aaa", "abab"]
+REWARDS = [2 / 3, 0.0, 1.0, 0.5]
+PUSH_S = 0.25  # what the fake engine's every weight push takes
+
+
+class FakeEngine:
+    """The rollout engine interface over fixed responses: every prompt's n samples are
+    RESPONSES (then <eos>); it keeps each call's prompts and its sampling streams' first draw,
+    and counts its pushes in `push_seconds` as an engine with its own copy of the weights does."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_token_ids, self.pad_token_id = [tokenizer.eos_token_id], tokenizer.pad_token_id
+        self.prefill_tokens = 0
+        self.push_seconds = 0.0
+        self.calls: list[dict] = []
+        self.phases: list[str] = []
+        self.flat: set[tuple[int, int]] = set()  # (call, prompt) answered "bbb" n times: rewards all equal
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(self, prompts, n, params, generator=None, on_group_done=None, images=None):
+        self.calls.append({"prompts": prompts, "n": n, "draws": generator.uniform().tolist()})
+        out = []
+        for i in range(len(prompts)):
+            flat = (len(self.calls) - 1, i) in self.flat
+            group = [self._generation("bbb" if flat else RESPONSES[j % len(RESPONSES)]) for j in range(n)]
+            if on_group_done is not None:
+                on_group_done(i, group)
+            out += group
+        return out
+
+    def _generation(self, text: str) -> Generation:
+        ids = self.tokenizer.convert_tokens_to_ids(list(text)) + [self.tokenizer.eos_token_id]
+        return Generation(token_ids=ids, text=text, finish_reason="eos")
+
+    def open_session(self, prompts, n, reuse_cache=True, images=None):
+        raise NotImplementedError("single-turn runs only")
+
+    def weights_updated(self, model) -> None:
+        self.push_seconds += PUSH_S
+
+    def begin_rollout(self) -> None:
+        self.phases.append("begin")
+
+    def end_rollout(self) -> None:
+        self.phases.append("end")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    return write_run_config(root, tiny_model_dir(root / "model"), reward=A_FRACTION)
+
+
+def parts_for(config, *overrides):
+    """A run's real parts (setup.build) with the fake engine in place of the built-in one."""
+    parts = build(load_config(config, ["data.val_files=[]", *overrides]))
+    engine = FakeEngine(parts.model, parts.tokenizer)
+    return dataclasses.replace(parts, engine=engine, single_turn=SingleTurn(engine))
+
+
+def test_collect_returns_the_steps_groups_scored_in_one_finished_batch(config):
+    parts = parts_for(config)
+    collector = Collector(parts.cfg, parts)
+    batch = collector.collect(step=2)
+    engine = parts.engine
+    assert engine.phases == ["begin", "end"]  # one rollout, the engine awake around it
+    assert [len(call["prompts"]) for call in engine.calls] == [2]  # data.train_batch_size prompts, n = 4
+    assert (batch.step, batch.version, batch.dropped_groups, batch.pushed_before, batch.loaded) == (2, 2, 0, 0.0, None)
+    assert batch.places == [0, 1] and [g.prompt for g in batch.groups] == engine.calls[0]["prompts"]
+    for group in batch.groups:
+        assert [t.response_text for t in group.trajectories] == RESPONSES
+        assert all(t.sample is group.sample and t.prompt_ids == group.prompt and t.version == 2 for t in group.trajectories)
+        assert [t.reward for t in group.trajectories] == pytest.approx(REWARDS, abs=1e-12)
+    assert batch.trajectories == batch.real_trajectories and len(batch.trajectories) == 8
+    assert batch.metrics["reward/mean"] == pytest.approx(sum(REWARDS) / 4, abs=1e-12)
+    assert batch.metrics["train/epoch"] == 0.0 and batch.metrics["time/generate"] >= 0.0
+    assert not any(k.startswith("rollout/staleness") for k in batch.metrics)  # a synchronous batch
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.metrics = {}  # nothing writes a batch once collected
+    with pytest.raises(TypeError):
+        batch.metrics["reward/mean"] = 1.0
+
+
+def test_a_steps_rollouts_sample_from_streams_keyed_by_step_and_rollout(config):
+    """Every row's stream is keyed by (seed, step, the step's rollout) and its place in the
+    batch; `rollout(stream=...)` names them, as collect does for its first rollout."""
+    parts = parts_for(config, "trainer.seed=7")
+    collector = Collector(parts.cfg, parts)
+    batch = collector.collect(step=5)
+    want = RowStreams(mix_seed(7, 5, 0), range(8)).uniform().tolist()
+    assert parts.engine.calls[0]["draws"] == want
+    samples, prompts = [g.sample for g in batch.groups], [g.prompt for g in batch.groups]
+    collector.rollout(samples, prompts, 4, stream=(5, 0))  # the same streams again
+    collector.rollout(samples, prompts, 4, stream=(5, 1))  # the step's second rollout (a refill)
+    assert parts.engine.calls[1]["draws"] == want
+    assert parts.engine.calls[2]["draws"] == RowStreams(mix_seed(7, 5, 1), range(8)).uniform().tolist() != want
+
+
+def test_dynamic_filtering_refills_from_the_steps_next_streams(config):
+    """A group whose rewards are all equal leaves; the refill is the step's second rollout, its
+    rows keyed by their places in the refill's own draw, and the batch keeps B groups."""
+    parts = parts_for(config, "data.sampler=curriculum", "curriculum.dynamic_filter=true")
+    parts.engine.flat = {(0, 0)}  # the first prompt's group teaches nothing
+    batch = Collector(parts.cfg, parts).collect(step=4)
+    first, refill = parts.engine.calls
+    assert len(first["prompts"]) == 2 and len(refill["prompts"]) >= 1
+    k = len(refill["prompts"])
+    assert refill["draws"] == RowStreams(mix_seed(0, 4, 1), range(4 * k)).uniform().tolist()
+    assert first["draws"] == RowStreams(mix_seed(0, 4, 0), range(8)).uniform().tolist()
+    assert batch.places == [0, 1] and batch.dropped_groups == 0
+    assert [g.prompt for g in batch.groups] == [first["prompts"][1], refill["prompts"][0]]
+    assert batch.metrics["batch/generated_groups"] == 2 + k and batch.metrics["batch/zero_std_dropped"] >= 1
+
+
+def test_an_asynchronous_batch_carries_its_staleness_and_its_weights_push(config):
+    """A batch generated ahead (version 1, learned at step 3) reports how stale it is and the
+    wait and push the pipeline measured; its push is that one, not the counter of the trainer's
+    engine (which here counts pushes too)."""
+    parts = parts_for(config)
+    collector = Collector(parts.cfg, parts, judge_tallies_per_batch=False)
+    batch = collector.finish(collector.start(3, version=1, loaded=Loaded(waited=0.5, push=0.125)))
+    assert batch.pushed_before is None and all(t.version == 1 for t in batch.trajectories)
+    assert {k: batch.metrics[k] for k in ("rollout/staleness_mean", "rollout/staleness_max", "rollout/policy_version")} == {
+        "rollout/staleness_mean": 2.0,
+        "rollout/staleness_max": 2.0,
+        "rollout/policy_version": 1.0,
+    }
+    assert batch.metrics["time/wait_weights"] == 0.5 and "time/weight_push" not in batch.metrics
+    learned = Learner(parts.cfg, parts).learn(batch)
+    assert learned["time/weight_push"] == 0.125 and "perf/engine_freed_gb" not in learned
+    assert parts.engine.push_seconds == PUSH_S  # the engine was pushed to all the same
+
+
+def test_learn_updates_as_the_updater_does_on_tensors_built_by_hand(config):
+    """learn = GRPO advantages (by hand here) + one PolicyUpdater.update on the batch's
+    tensors: the weights come out as those of the same update run by hand on a second copy of
+    the run. It returns what it measured and leaves the batch as it was."""
+    parts, reference = parts_for(config), parts_for(config)
+    batch = Collector(parts.cfg, parts).collect(step=0)
+    collected = dict(batch.metrics)
+    learned = Learner(parts.cfg, parts).learn(batch)
+    assert batch.metrics == collected and "reward/mean" not in learned  # its own figures only
+
+    r = torch.tensor(REWARDS, dtype=torch.float32)
+    eps = parts.cfg.algorithm.adv_epsilon
+    advantages = ((r - r.mean()) / (r.std() + eps)).tolist() * 2  # both groups answered alike
+    assert [t.advantage for t in batch.trajectories] == pytest.approx(advantages, abs=1e-6)
+    assert learned["adv/mean"] == pytest.approx(0.0, abs=1e-6)
+    assert learned["adv/max"] == pytest.approx(max(advantages), abs=1e-6)
+    assert learned["response/length_mean"] == pytest.approx(sum(len(s) + 1 for s in RESPONSES) / 4)
+    assert learned["batch/zero_std_groups"] == 0.0 and learned["response/truncated_frac"] == 0.0
+    assert learned["actor/lr"] == pytest.approx(parts.cfg.actor.optim.lr)
+    # the push: the engine's counter from collect's start to after the update
+    assert learned["time/weight_push"] == PUSH_S and learned["perf/engine_freed_gb"] == 0.0
+
+    tensors = build_step_tensors(
+        batch.trajectories, reference.device, mask_truncated=False, pad_token_id=reference.engine.pad_token_id
+    )
+    tensors = dataclasses.replace(tensors, advantages=torch.tensor(advantages, dtype=torch.float32))
+    p = reference
+    before = {n: w.detach().clone() for n, w in p.model.named_parameters()}
+    p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, 2, p.params)
+    ours, theirs = dict(parts.model.named_parameters()), dict(p.model.named_parameters())
+    assert sum(not torch.equal(ours[n], before[n]) for n in ours) >= len(ours) - 1  # the update moved them
+    for name, weight in ours.items():
+        torch.testing.assert_close(weight, theirs[name], rtol=0, atol=1e-7)
+
+
+def test_share_out_gives_each_rank_its_part_and_pads_the_short_one(config):
+    """Three kept groups over two ranks (one mini-batch): rank 0 takes places 0 and 1, rank 1
+    place 2 and a pad, a copy of the group with the fewest tokens whose loss mask is all zero;
+    learn leaves the pad out of what it reports."""
+    parts = parts_for(config)
+    kept = [Group(10 + k, parts.train_samples[k], [5, 6, k], rows([5, 6, k], k)) for k in (2, 0, 1)]  # the 2nd: fewest tokens
+    shares = []
+    for rank in (0, 1):
+        ranked = dataclasses.replace(parts, ranks=Ranks(rank=rank, world=2))
+        shares.append(Collector(parts.cfg, ranked).share_out(kept))
+    assert [g.place for g in shares[0]] == [0, 1] and shares[0][0].sample is kept[0].sample
+    assert [g.place for g in shares[1]] == [2, None]
+    pad = shares[1][1]
+    assert pad.sample is kept[1].sample and pad.prompt == kept[1].prompt
+    assert [t.response_ids for t in pad.trajectories] == [t.response_ids for t in kept[1].trajectories]
+    assert all(t.loss_mask == [0] * len(t.response_ids) for t in pad.trajectories)
+    assert all(t.loss_mask == [1] * len(t.response_ids) for t in kept[1].trajectories)  # the original is untouched
+    batch = StepBatch(step=0, version=0, groups=shares[1], dropped_groups=0, metrics={}, started=0.0)
+    assert batch.places == [2] and batch.real_trajectories == kept[2].trajectories and len(batch.trajectories) == 4
+    assert [len(t.response_ids) for t in batch.real_trajectories] == [2, 3]  # the group placed 2 (k = 1)
+
+
+def rows(prompt: list[int], k: int) -> list[Trajectory]:
+    """A group of two trajectories with k + 1 and k + 2 response tokens."""
+    return [
+        Trajectory(sample=None, index=j, prompt_ids=prompt, response_ids=[7] * (k + 1 + j), loss_mask=[1] * (k + 1 + j))
+        for j in range(2)
+    ]
