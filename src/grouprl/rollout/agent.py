@@ -222,6 +222,8 @@ class AgentLoop:
                 r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
                 r.trajectory.response_images.extend(shown)
                 r.trajectory.turns[-1]["masked_tokens"] = len(ids)
+                if "page" in r.trajectory.turns[-1]:  # a search's page: the size the processor showed it at
+                    r.trajectory.turns[-1]["page_size"] = list(r.state.current_image_size)
                 new_tokens[k], new_images[k] = ids, shown
                 still_active.append(k)
             active = still_active

@@ -246,7 +246,7 @@ async function openSample(uid, sample) {
     el("div", {id: "turns"}, (r.turns || []).map(drawTurn)),
     (r.turns || []).length ? null : el("pre", {class: "bubble policy"}, r.response || ""),
     el("details", {}, el("summary", {}, "whole response"), el("pre", {}, r.response || "")),
-    Object.entries(r.image_urls || {}).map(([model, url]) => el("figure", {}, el("img", {class: "artifact", src: url}), el("figcaption", {}, model))),
+    el("div", {}, Object.entries(r.image_urls || {}).map(([model, url]) => el("figure", {}, el("img", {class: "artifact", src: url}), el("figcaption", {}, model)))),
     el("h4", {}, `judge calls (${r.judge.length})`), el("div", {id: "judge-calls"}, r.judge.map(drawJudge)));
   for (const row of document.querySelectorAll(".sample-row")) row.classList.remove("chosen");
 }
@@ -308,7 +308,7 @@ async function drawAnswers() {
   $("eval-page").textContent = `page ${state.evalPage + 1} of ${pages} (${rows.length} rows)`;
   const page = rows.slice(state.evalPage * ROWS_PER_PAGE, (state.evalPage + 1) * ROWS_PER_PAGE);
   table.replaceChildren(el("tr", {}, ...["uid", "prompt", "ground truth", $("eval-a").value, b ? $("eval-b").value : ""].map((h) => el("th", {}, h))),
-    page.map(([x, y]) => el("tr", {class: "answer-row"}, el("td", {}, x.uid), el("td", {}, el("pre", {class: "answer"}, x.prompt || "")),
+    ...page.map(([x, y]) => el("tr", {class: "answer-row"}, el("td", {}, x.uid), el("td", {}, el("pre", {class: "answer"}, x.prompt || "")),
       el("td", {}, JSON.stringify(x.ground_truth)), answerCell(x), b ? answerCell(y) : null)));
 }
 
