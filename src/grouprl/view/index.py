@@ -128,7 +128,9 @@ class Follower:
                     rest = data
                     continue
                 position = 0
-                for line in data[:last].split(b"\n"):
+                lines = data.split(b"\n")
+                lines.pop()  # what follows the last newline: `rest`
+                for line in lines:
                     if line.strip():
                         self.add(offset + position, line)
                     position += len(line) + 1
@@ -170,7 +172,11 @@ class Follower:
 
 
 def _string(match: re.Match | None) -> str | None:
-    return json.loads(match.group(1)) if match else None
+    """A matched JSON string literal's value (decoded by hand unless it holds an escape)."""
+    if match is None:
+        return None
+    literal = match.group(1)
+    return json.loads(literal) if b"\\" in literal else literal[1:-1].decode("utf-8")
 
 
 class RolloutIndex(Follower):

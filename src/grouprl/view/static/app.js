@@ -159,7 +159,7 @@ function drawGroups() {
       el("td", {}, Object.entries(s.rewards).map(([k, v]) => `${k} ${fmt(v)}`).join(", ")),
       el("td", {}, fmt(s.advantage)), el("td", {}, fmt(s.response_tokens)),
       el("td", {}, s.truncated ? "truncated" : s.finish_reason || ""), el("td", {}, fmt(s.version)),
-      el("td", {}, s.actions.join(" → ")),
+      el("td", {}, s.actions.map((a) => a || "none").join(" → ")),
       el("td", {class: s.judge_failed ? "bad" : ""}, s.judge_calls ? (s.judge_failed ? "failed" : "ok") : "")));
     box.append(el("div", {class: "group"}, head, el("div", {class: "prompt"}, g.prompt),
       el("table", {class: "samples"}, el("tr", {}, ...["#", "reward", "components", "advantage", "tokens", "finish", "version", "actions", "judge"].map((h) => el("th", {}, h))), rows)));
