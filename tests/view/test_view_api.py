@@ -203,3 +203,15 @@ def test_cli_failure_lines(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"grouprl: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1
     assert not os.path.exists(empty / ".view")  # refused before anything was indexed
+
+
+def test_a_read_only_run_keeps_its_index_in_the_cache(run, tmp_path, monkeypatch):
+    import grouprl.view.index as index
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real_access = os.access
+    monkeypatch.setattr(index.os, "access", lambda path, mode: False if ".view" in str(path) else real_access(path, mode))
+    client = client_of(run)
+    assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
+    [kept] = (tmp_path / "cache" / "grouprl" / "view").iterdir()
+    assert sorted(p.name for p in kept.iterdir()) == ["judge.index.json", "rollouts.index.json"]
