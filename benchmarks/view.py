@@ -138,10 +138,14 @@ def main() -> int:
             print(f"{label}: {seconds:.2f} s from process start to the first /api/runs answer")
             if label.startswith("second"):
                 break
+            built = timed(url, ["/api/runs/big/steps/1"])
+            print(f"the first step's groups after the first open: {built[0]:.2f} s (the judge log's index built)")
             process.terminate()
             process.wait()
         rng = random.Random(1)
-        steps = [rng.randrange(1, args.steps + 1) for _ in range(30)]
+        steps = [rng.randrange(1, args.steps + 1) for _ in range(31)]
+        first_step = timed(url, [f"/api/runs/big/steps/{steps.pop()}"])
+        print(f"the first step's groups after the second open: {first_step[0]:.2f} s (the judge log's index read back)")
         step_s = timed(url, [f"/api/runs/big/steps/{s}" for s in steps])
         print(f"a step's groups ({args.per_step} trajectories): median {statistics.median(step_s) * 1e3:.0f} ms, max {max(step_s) * 1e3:.0f} ms (30 random steps)")
         first = httpx.get(f"{url}/api/runs/big/steps/{steps[0]}").json()["groups"][0]

@@ -213,5 +213,6 @@ def test_a_read_only_run_keeps_its_index_in_the_cache(run, tmp_path, monkeypatch
     monkeypatch.setattr(index.os, "access", lambda path, mode: False if ".view" in str(path) else real_access(path, mode))
     client = client_of(run)
     assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
+    assert client.get("/api/runs/demo/steps/1").status_code == 200  # the judge log's index too
     [kept] = (tmp_path / "cache" / "grouprl" / "view").iterdir()
     assert sorted(p.name for p in kept.iterdir()) == ["judge.index.json", "rollouts.index.json"]

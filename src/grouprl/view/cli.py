@@ -30,8 +30,8 @@ def cmd_view(args: argparse.Namespace) -> int:
     if plotly_js() is None:
         raise UserError("grouprl view draws its curves with plotly, which is not installed: pip install 'grouprl[view]'")
     check_port_free(args.host, args.port)
-    for run in runs:
-        run.refresh()  # the index, built (or extended) before the first page asks for it
+    for run in runs:  # the steps' index, built (or extended) before the first page asks for it;
+        run.refresh(judges=False)  # the judge logs' on the first step or sample asked for
     import uvicorn
 
     url = f"http://{args.host}:{args.port}"

@@ -65,13 +65,15 @@ class Run:
         self.lock = threading.Lock()
 
     # -- what is there -----------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Read what the run's files gained (requests come on several threads: one at a time)."""
+    def refresh(self, judges: bool = True) -> None:
+        """Read what the run's files gained (requests come on several threads: one at a time).
+        `judges=False`: not the judge logs (only a step's or a sample's page needs them, so a
+        run opens without building their index)."""
         with self.lock:
             self.metrics.refresh()
             if self.rollouts.refresh():
                 self.step_times.clear()
-            for path in sorted(self.root.glob("judge*.jsonl")):
+            for path in sorted(self.root.glob("judge*.jsonl")) if judges else []:
                 if path not in self.judges:
                     self.judges[path] = JudgeIndex(path, self.store / f"{path.stem}.index.json")
                 self.judges[path].refresh()
@@ -82,13 +84,13 @@ class Run:
         return [str(p.parent.relative_to(self.root)) for p in found if p.is_file()]
 
     def summary(self) -> dict[str, Any]:
-        self.refresh()
+        self.refresh(judges=False)
         return {
             "name": self.name,
             "steps": sorted(self.rollouts.steps),
             "trajectories": sum(span[2] for span in self.rollouts.steps.values()),
             "metric_rows": len(self.metrics.rows),
-            "judge_logs": len(self.judges),
+            "judge_logs": len(list(self.root.glob("judge*.jsonl"))),
             "evals": self.evals(),
         }
 
