@@ -138,6 +138,8 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch):
         assert drawn == pytest.approx([x1 / width * 100, y1 / height * 100, (x2 - x1) / width * 100, (y2 - y1) / height * 100])
         assert view.evaluate("document.querySelector('canvas.crop').width") > 0
         assert view.locator(".judge-raw").first.inner_text() == reply
+        assert "null" not in view.locator("#sample").inner_text()  # nothing empty spelled out
+        view.evaluate("document.getElementById('sample').style.maxHeight = 'none'")  # all of it, judge included
         view.locator("#sample").screenshot(path=str(shots / "view_sample.png"))
 
         # held-out: the two evaluations side by side, paired by uid

@@ -244,7 +244,7 @@ async function openSample(uid, sample) {
     el("details", {}, el("summary", {}, "prompt"), el("pre", {}, r.prompt || "")),
     el("div", {class: "note"}, `ground truth: ${JSON.stringify(r.ground_truth)}`),
     el("div", {id: "turns"}, (r.turns || []).map(drawTurn)),
-    (r.turns || []).length ? null : el("pre", {class: "bubble policy"}, r.response || ""),
+    el("div", {}, (r.turns || []).length ? null : el("pre", {class: "bubble policy"}, r.response || "")),
     el("details", {}, el("summary", {}, "whole response"), el("pre", {}, r.response || "")),
     el("div", {}, Object.entries(r.image_urls || {}).map(([model, url]) => el("figure", {}, el("img", {class: "artifact", src: url}), el("figcaption", {}, model)))),
     el("h4", {}, `judge calls (${r.judge.length})`), el("div", {id: "judge-calls"}, r.judge.map(drawJudge)));
