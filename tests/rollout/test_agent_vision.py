@@ -98,6 +98,10 @@ def test_image_observations_are_masked_fed_and_scored(page):
         assert page_image.shown_size == (56, 28) and page_image.original_size == PAGE
         # the crop is the left half of the original page: the policy's box was in shown pixels
         assert crop.original_size == (56, 56)
+        # the turn records name the page shown, then cropped, at the size the policy saw it
+        assert [(r["text"], r.get("page"), r.get("page_size")) for r in t.turns] == [
+            (script(0), str(page), [56, 28]), (script(1), str(page), [56, 28]), (script(2), None, None),
+        ]  # fmt: skip
         assert t.prompt_images == prompt_images
         # what the session was fed: nothing on turn 1, then each observation with its image
         feeds = engine.feeds[row]

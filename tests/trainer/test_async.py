@@ -91,7 +91,7 @@ def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
     with pytest.raises(ConfigError, match="'rollout.sleep_level' must be 0 with rollout.max_staleness > 0"):
         load_config(config, ["rollout.max_staleness=1", "rollout.engine=vllm", "rollout.sleep_level=2"])
     with pytest.raises(ConfigError, match="must be 0 with model.quantization=4bit"):
-        load_config(config, ["rollout.max_staleness=1", "model.quantization=4bit"])
+        load_config(config, ["rollout.max_staleness=1", "model.quantization=4bit", "model.lora.rank=8"])
     with pytest.raises(ConfigError, match="'rollout.engine_process' needs rollout.max_staleness >= 1"):
         load_config(config, ["rollout.engine_process=true"])
     with pytest.raises(ConfigError, match="'rollout.engine_device' is for rollout.engine_process=true"):

@@ -11,7 +11,7 @@ import torch
 from tiny import A_FRACTION, tiny_model_dir, write_run_config
 
 from grouprl.config import load_config
-from grouprl.rollout.engines.base import Generation
+from grouprl.rollout.engines.base import Generation, RolloutEngine
 from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.trajectory import Trajectory
@@ -32,6 +32,9 @@ class FakeEngine:
     """The rollout engine interface over fixed responses: every prompt's n samples are
     RESPONSES (then <eos>); it keeps each call's prompts and its sampling streams' first draw,
     and counts its pushes in `push_seconds` as an engine with its own copy of the weights does."""
+
+    reads_trainer_weights = False  # it keeps its own copy: pushes are counted, not gathered
+    last_sleep_freed_bytes = 0
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -73,6 +76,9 @@ class FakeEngine:
     def end_rollout(self) -> None:
         self.phases.append("end")
 
+    def close(self) -> None:
+        self.phases.append("close")
+
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
@@ -84,6 +90,7 @@ def parts_for(config, *overrides):
     """A run's real parts (setup.build) with the fake engine in place of the built-in one."""
     parts = build(load_config(config, ["data.val_files=[]", *overrides]))
     engine = FakeEngine(parts.model, parts.tokenizer)
+    assert isinstance(engine, RolloutEngine)  # it keeps to the interface the loop asks of engines
     return dataclasses.replace(parts, engine=engine, single_turn=SingleTurn(engine))
 
 

@@ -198,7 +198,7 @@ class AgentLoop:
             for k, g, action, obs in zip(active, generations, actions, observations):
                 r = rollouts[k]
                 r.state.turn += 1
-                r.trajectory.turns.append(_turn_record(turn, g, action, obs, version))
+                r.trajectory.turns.append(_turn_record(turn, g, action, obs, version, r.state))
                 if r.trajectory.version is None:
                     r.trajectory.version = version
                 if r.state.finished:
@@ -222,6 +222,8 @@ class AgentLoop:
                 r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
                 r.trajectory.response_images.extend(shown)
                 r.trajectory.turns[-1]["masked_tokens"] = len(ids)
+                if "page" in r.trajectory.turns[-1]:  # a search's page: the size the processor showed it at
+                    r.trajectory.turns[-1]["page_size"] = list(r.state.current_image_size)
                 new_tokens[k], new_images[k] = ids, shown
                 still_active.append(k)
             active = still_active
@@ -380,10 +382,16 @@ class _Groups:
 
 
 def _turn_record(
-    turn: int, g: Generation, action: Action, obs: Observation | None, version: int | None = None
+    turn: int,
+    g: Generation,
+    action: Action,
+    obs: Observation | None,
+    version: int | None = None,
+    state: AgentState | None = None,
 ) -> dict[str, Any]:
     record = {
         "turn": turn,
+        "text": g.text[:RECORD_CHARS],  # what the policy wrote: its thoughts, then the action
         "action": action.kind,
         "argument": action.argument[:RECORD_CHARS],
         "observation": obs.text[:RECORD_CHARS] if obs else "",
@@ -396,7 +404,22 @@ def _turn_record(
     }
     if version is not None:  # asynchronous training: the weights this turn sampled from
         record["version"] = version
+    page = _page_of(action, obs, state)
+    if page is not None:  # the page file this turn showed (search) or cropped (bbox), its shown size
+        record["page"], record["page_size"] = page
     return record
+
+
+def _page_of(
+    action: Action, obs: Observation | None, state: AgentState | None
+) -> tuple[str, list[int]] | None:
+    """The page a search showed first or a crop cut from (`state.current_image`, a file), and its
+    size as shown to the policy, which a `<bbox>`'s coordinates are pixels of; None otherwise."""
+    if state is None or obs is None or obs.error or not obs.images or action.kind not in ("search", "bbox"):
+        return None
+    if not isinstance(state.current_image, (str, os.PathLike)) or state.current_image_size is None:
+        return None
+    return str(state.current_image), list(state.current_image_size)
 
 
 def _image_name(image: Any) -> str:

@@ -3,6 +3,7 @@ when they are installed and enabled (never required)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -175,6 +176,28 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name))[:80]
 
 
+def _with_kept_pages(turns: list[dict[str, Any]], images_dir: Path | None) -> list[dict[str, Any]]:
+    """The turn records with each `page` (a corpus file) copied into `images_dir/pages/` and
+    named by its path relative to the run; a page that cannot be copied keeps its own path."""
+    if images_dir is None or not any("page" in turn for turn in turns):
+        return turns
+    out = []
+    for turn in turns:
+        source = turn.get("page")
+        if source and Path(source).is_file():
+            resolved = Path(source).resolve()
+            digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]  # two corpora may share a name
+            target = Path(images_dir) / "pages" / f"{_safe(resolved.stem)}_{digest}{resolved.suffix}"
+            if not target.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                partial = target.with_name(f".{target.name}.partial")
+                shutil.copyfile(resolved, partial)
+                partial.replace(target)  # a reader never sees half a page
+            turn = {**turn, "page": str(target.relative_to(Path(images_dir).parent))}
+        out.append(turn)
+    return out
+
+
 class RolloutWriter:
     """rollouts.jsonl: one line per trajectory (the curriculum engine reads it)."""
 
@@ -198,7 +221,9 @@ class RolloutWriter:
         images_dir: Path | None = None,
     ) -> list[str]:
         """The trajectories' records (JSON lines). Images reward models drew for a trajectory
-        are copied to `images_dir/step_N/` and named in its record (paths relative to the run)."""
+        are copied to `images_dir/step_N/` and named in its record, and the page files its turns
+        showed or cropped to `images_dir/pages/` (once a run: pages recur) and named in their
+        turn records (`page`; paths relative to the run), so a run folder holds what its policy saw."""
         lines = []
         for t in trajectories:
             images = {}
@@ -216,7 +241,7 @@ class RolloutWriter:
                 "sample": t.index,
                 "prompt": prompt_texts.get(t.uid, ""),
                 "response": t.response_text,
-                "turns": t.turns,
+                "turns": _with_kept_pages(t.turns, images_dir),
                 "retrieved": t.retrieved,
                 "rewards": {k: clean(v) for k, v in t.rewards.items()},
                 "reward": clean(t.reward),

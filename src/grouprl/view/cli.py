@@ -1,0 +1,52 @@
+"""`grouprl view RUN [RUN ...] [--host 127.0.0.1] [--port 8008]`: a local page over run folders."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from grouprl.errors import ConfigError, UserError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the `view` verb."""
+    view = subparsers.add_parser(
+        "view", help="see runs in a browser: curves, each step's groups, a sample's turns and pages, held-out answers"
+    )
+    view.add_argument("runs", nargs="+", metavar="RUN", help="run folders (<output_dir>/<experiment_name>), finished or running")
+    view.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
+    view.add_argument("--port", type=int, default=8008, help="port to listen on")
+    view.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="uvicorn log level"
+    )
+    view.set_defaults(func=cmd_view)
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from grouprl.view.app import create_app, plotly_js
+    from grouprl.view.runs import open_runs
+
+    runs = open_runs(args.runs)  # a missing folder or one that is no run: one line, before listening
+    if plotly_js() is None:
+        raise UserError("grouprl view draws its curves with plotly, which is not installed: pip install 'grouprl[view]'")
+    check_port_free(args.host, args.port)
+    for run in runs:  # the steps' index, built (or extended) before the first page asks for it;
+        run.refresh(judges=False)  # the judge logs' on the first step or sample asked for
+    import uvicorn
+
+    url = f"http://{args.host}:{args.port}"
+    print(f"grouprl view: {', '.join(r.name for r in runs)} on {url} (Ctrl-C to stop)", flush=True)
+    uvicorn.run(create_app(runs), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """One line for a port in use (or an address this machine does not have), not a bind traceback."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be from 0 to 65535, got {port}")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

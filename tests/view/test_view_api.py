@@ -1,0 +1,218 @@
+"""grouprl view's HTTP API over a run folder written here by hand (the trainer's and the judge
+log's formats, field for field): steps and groups read by byte range, a sample's turns with
+their pages and its judge calls (matched to the step by time), a uid across steps, held-out
+answers, lines appended while it serves, and nothing served from outside the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from grouprl.cli import main
+from grouprl.view.app import create_app
+from grouprl.view.index import RolloutIndex
+from grouprl.view.runs import open_runs
+
+
+def turn(k, action, argument, page=None, size=None, **extra):
+    record = {
+        "turn": k, "text": f"I think. <{action}>{argument}</{action}>", "action": action, "argument": argument,
+        "observation": f"seen {k}", "error": None, "tokens": 5, "masked_tokens": 3, "finish_reason": "stop",
+        "images": int(page is not None), "image_files": [],
+    }  # fmt: skip
+    if page:
+        record.update(page=page, page_size=size)
+    return {**record, **extra}
+
+
+def rollout(step, uid, sample, reward, when, truncated=False, turns=None):
+    return {
+        "run": "demo", "step": step, "uid": uid, "sample": sample, "prompt": f"question {uid}",
+        "response": f"answer of {uid}/{sample} at {step}", "turns": turns or [], "retrieved": [],
+        "rewards": {"judge": reward, "format": 1.0}, "reward": reward, "advantage": reward - 0.5,
+        "response_tokens": 12, "truncated": truncated, "finish_reason": "length" if truncated else "eos",
+        "version": step - 1, "ground_truth": "gold", "time": when,
+    }  # fmt: skip
+
+
+def judge_line(when, request_id, raw, error=None):
+    return {
+        "time": when, "judge": "grader", "request_id": request_id, "model": "fake",
+        "prompt": {"system": "grade it", "user": f"response of {request_id}", "images": 0},
+        "latency_s": 0.01, "prompt_tokens": 11, "completion_tokens": 7, "raw": raw,
+        "scores": None if error else {"correctness": 1}, "aggregate": None if error else 1.0,
+        "error": error, "cached": False, "attempts": 1,
+    }  # fmt: skip
+
+
+def write_lines(path: Path, records, mode="w"):
+    with open(path, mode) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture
+def run(tmp_path):
+    folder = tmp_path / "runs" / "demo"
+    (folder / "images" / "pages").mkdir(parents=True)
+    Image.new("RGB", (40, 20), (200, 10, 10)).save(folder / "images" / "pages" / "p_1.png")
+    write_lines(folder / "metrics.jsonl", [{"step": 1, "reward/mean": 0.25, "time/generate": 1.5}, {"step": 2, "reward/mean": 0.75}])
+    page = "images/pages/p_1.png"
+    turns = [turn(0, "search", "cats", page, [20, 10]), turn(1, "bbox", "[0, 0, 10, 5]", page, [20, 10])]
+    write_lines(folder / "rollouts.jsonl", [
+        rollout(1, "u1", 0, 1.0, 100.0, turns=turns), rollout(1, "u1", 1, 0.0, 100.0, truncated=True),
+        rollout(1, "u2", 0, 0.5, 100.0), rollout(1, "u2", 1, 0.5, 100.0),
+        rollout(2, "u1", 0, 0.0, 200.0), rollout(2, "u1", 1, 0.0, 200.0),
+        rollout(2, "u3", 0, 1.0, 200.0), rollout(2, "u3", 1, 0.0, 200.0),
+    ])  # fmt: skip
+    write_lines(folder / "judge.jsonl", [
+        judge_line(90.0, "u1/0", 'correct "yes", "error": no'),  # an error key inside raw is not the key
+        judge_line(91.0, "u1/1", None, error="timeout after 1 attempt"),
+        judge_line(190.0, "u1/0", "wrong"),
+    ])  # fmt: skip
+    (folder / "eval").mkdir()
+    write_lines(folder / "eval" / "answers.jsonl", [{"uid": "v1", "prompt": "q", "response": "a", "accuracy": 1.0}])
+    return folder
+
+
+def client_of(*folders):
+    return TestClient(create_app(open_runs([str(f) for f in folders])))
+
+
+def test_steps_groups_samples_and_judge_calls(run):
+    client = client_of(run)
+    [summary] = client.get("/api/runs").json()
+    assert summary["steps"] == [1, 2] and summary["trajectories"] == 8 and summary["evals"] == ["eval"]
+    step1 = client.get("/api/runs/demo/steps/1").json()
+    u1, u2 = step1["groups"]
+    assert [s["reward"] for s in u1["samples"]] == [1.0, 0.0] and not u1["zero_variance"] and u2["zero_variance"]
+    assert [s["truncated"] for s in u1["samples"]] == [False, True]
+    assert [s["actions"] for s in u1["samples"]] == [["search", "bbox"], []]
+    # step 1's window is (0, 100]: u1/0's first call (ok) and u1/1's (failed); step 2 holds u1/0's second
+    assert [(s["judge_calls"], s["judge_failed"]) for s in u1["samples"]] == [(1, False), (1, True)]
+    step2 = client.get("/api/runs/demo/steps/2").json()
+    assert [(s["judge_calls"], s["judge_failed"]) for s in step2["groups"][0]["samples"]] == [(1, False), (0, False)]
+
+    sample = client.get("/api/runs/demo/sample", params={"step": 1, "uid": "u1", "sample": 0}).json()
+    assert [t["page_url"] for t in sample["turns"]] == ["files/demo/images/pages/p_1.png"] * 2
+    [call] = sample["judge"]
+    assert call["raw"] == 'correct "yes", "error": no' and call["error"] is None
+    assert call["prompt"]["user"] == "response of u1/0"
+    image = client.get("/" + sample["turns"][0]["page_url"])
+    assert image.status_code == 200 and image.content == (run / "images/pages/p_1.png").read_bytes()
+    later = client.get("/api/runs/demo/sample", params={"step": 2, "uid": "u1", "sample": 0}).json()
+    assert [c["raw"] for c in later["judge"]] == ["wrong"]
+
+    history = client.get("/api/runs/demo/uid", params={"uid": "u1"}).json()
+    assert [(h["step"], [s["reward"] for s in h["samples"]]) for h in history] == [(1, [1.0, 0.0]), (2, [0.0, 0.0])]
+    assert client.get("/api/runs/demo/answers", params={"folder": "eval"}).json()[0]["uid"] == "v1"
+    assert client.get("/api/runs/demo/answers", params={"folder": ".."}).status_code == 404
+    assert client.get("/api/runs/demo/steps/7").status_code == 404
+    metrics = client.get("/api/runs/demo/metrics").json()
+    assert [r["reward/mean"] for r in metrics["rows"]] == [0.25, 0.75]
+    page = client.get("/")
+    assert page.status_code == 200 and "static/plotly.min.js" in page.text
+    assert client.get("/static/plotly.min.js").status_code == 200 and client.get("/static/app.js").status_code == 200
+
+
+def test_a_live_run_half_a_line_waits_and_a_rewrite_starts_over(run):
+    client = client_of(run)
+    assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
+    line = json.dumps(rollout(3, "u4", 0, 0.25, 300.0)) + "\n"
+    with open(run / "rollouts.jsonl", "a") as f:
+        f.write(line[:50])  # a line being written
+        f.flush()
+        assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
+        f.write(line[50:])
+    assert client.get("/api/runs").json()[0]["steps"] == [1, 2, 3]
+    assert client.get("/api/runs/demo/steps/3").json()["groups"][0]["samples"][0]["reward"] == 0.25
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "reward/mean": 0.5}) + "\n")
+    first = client.get("/api/runs/demo/metrics").json()
+    more = client.get("/api/runs/demo/metrics", params={"since": 3, "generation": first["generation"]}).json()
+    assert len(first["rows"]) == 3 and more["start"] == 3 and more["rows"] == []
+
+    # the index is kept beside the run, and a second viewer starts from it
+    kept = json.loads((run / ".view" / "rollouts.index.json").read_text())
+    assert kept["end"] == (run / "rollouts.jsonl").stat().st_size and len(kept["steps"]) == 3
+    again = RolloutIndex(run / "rollouts.jsonl", run / ".view" / "rollouts.index.json")
+    assert again.end == kept["end"] and again.steps[3][2] == 1
+
+    # a resumed run cut the file after step 1 and wrote a new step 2 (longer than before)
+    lines = (run / "rollouts.jsonl").read_text().splitlines(keepends=True)[:4]
+    write_lines(run / "rollouts.jsonl", [rollout(2, "u9", k, 0.1, 250.0) for k in range(6)])
+    (run / "rollouts.jsonl").write_text("".join(lines) + (run / "rollouts.jsonl").read_text())
+    summary = client.get("/api/runs").json()[0]
+    assert summary["steps"] == [1, 2] and summary["trajectories"] == 10
+    assert {g["uid"] for g in client.get("/api/runs/demo/steps/2").json()["groups"]} == {"u9"}
+
+
+def test_only_images_inside_the_run_are_served(run, tmp_path):
+    outside = tmp_path / "secret.png"
+    Image.new("RGB", (4, 4)).save(outside)
+    (run / "images" / "out.png").symlink_to(outside)
+    (run / "images" / "notes.png").symlink_to(run / "metrics.jsonl")  # inside, but not an image file
+    (run / "config.yaml").write_text("model: x\n")
+    client = client_of(run)
+    assert client.get("/files/demo/images/pages/p_1.png").status_code == 200
+    refused = [
+        "/files/demo/../secret.png", "/files/demo/%2e%2e/secret.png", "/files/demo/images/%2E%2E/%2e%2e/secret.png",
+        "/files/demo/%2e%2e%2fsecret.png", "/files/demo/images%2f..%2f..%2fsecret.png", f"/files/demo/{outside}",
+        f"/files/demo//{outside}", "/files/demo/%2F" + str(outside).lstrip("/"), "/files/demo/images/out.png",
+        "/files/demo/images/notes.png", "/files/demo/config.yaml", "/files/demo/metrics.jsonl",
+        "/files/demo/.view/rollouts.index.json", "/files/demo/images/pages/p_1.png%00.jsonl",
+        "/files/demo/images\\..\\..\\secret.png", "/files/nope/images/pages/p_1.png", "/static/../runs.py",
+        "/static/index.html/../../runs.py", "/static/%2e%2e%2fruns.py",
+    ]  # fmt: skip
+    for url in refused:
+        answer = client.get(url)
+        assert answer.status_code == 404, (url, answer.status_code)
+        assert answer.content != outside.read_bytes()
+
+
+def test_the_viewer_writes_nothing_but_its_index(run):
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+    client = client_of(run)
+    for url in ["/api/runs", "/api/runs/demo/steps/1", "/api/runs/demo/metrics", "/api/runs/demo/uid?uid=u1",
+                "/api/runs/demo/sample?step=1&uid=u1&sample=0", "/files/demo/images/pages/p_1.png"]:  # fmt: skip
+        assert client.get(url).status_code == 200
+    assert client.post("/api/runs").status_code == 405 and client.delete("/files/demo/images/pages/p_1.png").status_code == 405
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file() and ".view" not in p.parts}
+    assert after == before
+    assert sorted(p.name for p in (run / ".view").iterdir()) == ["judge.index.json", "rollouts.index.json"]
+
+
+def test_cli_failure_lines(run, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["view", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"grouprl: error: {tmp_path / 'nowhere'}: no such folder\n"
+    assert main(["view", str(run), str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grouprl: error: {empty} is not a run folder") and err.count("\n") == 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["view", str(run), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grouprl: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1
+    assert not os.path.exists(empty / ".view")  # refused before anything was indexed
+
+
+def test_a_read_only_run_keeps_its_index_in_the_cache(run, tmp_path, monkeypatch):
+    import grouprl.view.index as index
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real_access = os.access
+    monkeypatch.setattr(index.os, "access", lambda path, mode: False if ".view" in str(path) else real_access(path, mode))
+    client = client_of(run)
+    assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
+    assert client.get("/api/runs/demo/steps/1").status_code == 200  # the judge log's index too
+    [kept] = (tmp_path / "cache" / "grouprl" / "view").iterdir()
+    assert sorted(p.name for p in kept.iterdir()) == ["judge.index.json", "rollouts.index.json"]
