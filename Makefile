@@ -11,7 +11,7 @@ VLLM_TESTS := $(wildcard tests/*/test_*vllm*.py)
 # CPU build of torch by default; GPU users: make TORCH_INDEX=https://download.pytorch.org/whl/cu128 ...
 TORCH_INDEX ?=
 
-.PHONY: setup setup-vllm browser train test bench gpu-check lint clean
+.PHONY: setup setup-vllm browser train test test-quick bench gpu-check lint clean
 
 # before a virtualenv is built: a line when the disk has less free than `make test` needs (README)
 DISK_GB := 10
@@ -50,7 +50,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
 	  elif command -v sudo >/dev/null 2>&1; then sudo apt-get update -q && sudo apt-get install -y -q chromium; \
-	  else echo "chromium is missing and cannot be installed here (not root, no sudo): apt-get install chromium; the viewer's browser test skips without it" >&2; fi; }
+	  else echo "chromium is missing and cannot be installed here (not root, no sudo): apt-get install chromium; the viewer's browser test fails without it" >&2; fi; }
 
 train: $(STAMP)
 	$(VENV)/bin/grouprl train $(ARGS)
@@ -58,6 +58,10 @@ train: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) browser
 	$(VENV)/bin/pytest -q $(ARGS)
 	$(VLLM_VENV)/bin/pytest -q -m vllm $(VLLM_TESTS) $(ARGS)
+
+# the edit loop's tier: every test under about 2 s (no `slow` mark), no vLLM; under 3 minutes
+test-quick: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow and not vllm" $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]"

@@ -288,6 +288,7 @@ def test_the_vllm_engine_without_vllm_is_one_line(capsys, tmp_path, monkeypatch)
     assert message.startswith("rollout.engine=vllm needs vLLM: pip install 'grouprl[vllm]' on a CUDA machine")
 
 
+@pytest.mark.slow
 def test_real_process_prints_exactly_one_line(tmp_path):
     """The installed entry point, with real logging set-up: stderr is the error line alone."""
     result = subprocess.run(
@@ -331,6 +332,7 @@ def test_train_and_eval_a_tiny_model(capsys, tmp_path):
 
 
 # ------------------------------------------------------------------------- what a new user saw
+@pytest.mark.slow
 def test_dry_run_names_the_built_in_vlm_and_an_unknown_built_in(capsys, no_model_load):
     _, out, _ = run(capsys, "train", "--dry-run", "model.path=builtin:smolvlm-smollm2-135m", "model.cache_dir=/c")
     assert (

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import free_port
 
 LINE = "grouprl: error: "
@@ -40,6 +42,7 @@ def check_reported_once(done: subprocess.CompletedProcess, message: str) -> None
     assert "grouprl/cli.py" not in output, output
 
 
+@pytest.mark.slow
 def test_a_mistake_every_rank_finds_is_one_line_and_status_2(tmp_path):
     """The batch does not split over 2 ranks: found by both, after they joined the group."""
     done = torchrun(
@@ -72,6 +75,7 @@ sys.exit(cli.main(["train"]))
 """
 
 
+@pytest.mark.slow
 def test_a_mistake_one_rank_finds_stops_the_rank_waiting_for_it(tmp_path):
     script = tmp_path / "one_rank.py"
     script.write_text(ONE_RANK)

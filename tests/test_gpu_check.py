@@ -156,6 +156,7 @@ def test_the_section_goes_inside_the_gpu_check_section():
 
 
 # ------------------------------------------------------------------------- the plumbing, on the CPU
+@pytest.mark.slow
 def test_the_matrix_on_the_cpu(tmp_path, capsys):
     model = tmp_path / "model"
     tiny_model_and_tokenizer(model, init_std=0.02)
@@ -203,6 +204,7 @@ def test_the_matrix_on_the_cpu(tmp_path, capsys):
     assert "- fp32 (2 steps): `grouprl train rollout.check_log_probs=true actor.dtype=float32" in page
 
 
+@pytest.mark.slow
 def test_no_write_and_nothing_by_default_on_the_cpu(tmp_path, capsys, monkeypatch):
     out = tmp_path / "RESULTS.md"
     monkeypatch.setattr(gpu_check, "RESULTS", tmp_path / "default-RESULTS.md")
@@ -214,6 +216,7 @@ def test_no_write_and_nothing_by_default_on_the_cpu(tmp_path, capsys, monkeypatc
     assert "| lora4bit | " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_engine_service_row_serves_its_run_from_a_service_of_its_own(tmp_path, monkeypatch):
     """`asyncservice` (on the CPU here): a `grouprl engine serve` started for the row, the run's
     engine there (`rollout.engine_address`, the key through the environment), stopped after it."""
@@ -239,6 +242,7 @@ def test_the_engine_service_row_serves_its_run_from_a_service_of_its_own(tmp_pat
     assert "a-key-for-this-test-of-32-chars-at-least" not in "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
 
 
+@pytest.mark.slow
 def test_quick_runs_the_leases_rows_within_its_budget_on_a_random_smollm2(tmp_path, monkeypatch):
     """--quick on the CPU (the plumbing): the recipe rows train SmolLM2-135M's architecture with
     random weights built here (the built-in model's package is too large to take to a lent GPU),

@@ -14,6 +14,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scale.py"
 
 
+@pytest.mark.slow
 def test_the_toy_run_reports_each_family_with_fixed_lengths_and_planned_peaks(tmp_path):
     out = tmp_path / "scale.json"
     done = subprocess.run(

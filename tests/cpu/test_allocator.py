@@ -87,11 +87,13 @@ def _run(script: str) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(allocator._glibc() is None, reason="glibc only")
 def test_free_heap_pages_are_given_back():
     _run(TRIM_SCRIPT)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(allocator._glibc() is None, reason="glibc only")
 def test_large_blocks_are_mapped_and_given_back_inside_the_block_only():
     _run(SCRIPT)

@@ -68,6 +68,7 @@ def test_prompt_is_system_example_request(val):
     assert [m["role"] for m in make_scenes(1, 0, "val", few_shot=False)[0].messages] == ["system", "user"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_every_request_parses_and_its_description_scores_one(split, train, val):
     samples = train if split == "train" else val

@@ -236,6 +236,7 @@ def answer_server():
     httpd.server_close()
 
 
+@pytest.mark.slow
 def test_remote_answers_are_asked_while_the_next_turns_generate(answer_server):
     cfg = AgentConfig(answer_generator="openai", answer_base_url=answer_server, answer_model="m", max_turns=5)
     generator = OpenAIAnswerGenerator(answer_server, "m", timeout_s=10)

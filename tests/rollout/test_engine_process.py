@@ -59,6 +59,7 @@ def test_weights_travel_by_nccl_between_two_gpus_only():
     assert weights_backend("cuda:0", "cpu") == weights_backend("cpu", "cuda:0") == "connection"
 
 
+@pytest.mark.slow
 def test_the_same_samples_and_groups_as_the_engine_here(local, remote):
     prompts = random_prompts([3, 5, 2], len(local.tokenizer), seed=4)
     assert remote.eos_token_ids == local.eos_token_ids and remote.pad_token_id == local.pad_token_id
@@ -120,6 +121,7 @@ def test_an_error_there_is_raised_here_and_the_process_goes_on(local, remote):
     )
 
 
+@pytest.mark.slow
 def test_a_process_that_ends_is_one_error_not_a_wait(local):
     engine = EngineProcess(local.model, local.tokenizer, build_engine, [], "cpu")
     engine.process.kill()
@@ -160,6 +162,7 @@ class LateWork:
         return self.work.wait()
 
 
+@pytest.mark.slow
 def test_an_answer_that_comes_before_the_last_send_shows_complete_ends_the_push(local):
     """The push's answer read while it waited on its last send is its answer (it was once read
     there and then waited for again: a run that never ended). The group path (NCCL's between
@@ -191,6 +194,7 @@ def build_seeing(name, value):
     return build_engine()
 
 
+@pytest.mark.slow
 def test_an_engine_takes_the_environment_of_its_start(local, monkeypatch):
     """Engines fork from a server that imported torch once, maybe before the environment
     changed (a variable set since): the engine still sees the trainer's environment as it is."""

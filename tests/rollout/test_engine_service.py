@@ -69,6 +69,7 @@ def connect(local, address) -> EngineProcess:
     return EngineProcess(local.model, local.tokenizer, build_engine, changing, "cpu", address=address)
 
 
+@pytest.mark.slow
 def test_a_service_engine_samples_what_the_engine_here_does(service, local, key):
     address, _ = service
     silent = socket.create_connection(split_address(address))
@@ -103,6 +104,7 @@ def test_a_service_engine_samples_what_the_engine_here_does(service, local, key)
         silent.close()
 
 
+@pytest.mark.slow
 def test_each_trainer_gets_an_engine_of_its_own_until_the_devices_run_out(service, local, key):
     address, log = service
     first, second = connect(local, address), connect(local, address)
@@ -218,6 +220,7 @@ def test_nothing_but_the_services_own_port_listens_and_the_weights_go_over_the_c
         remote.close()
 
 
+@pytest.mark.slow
 def test_an_engine_process_here_listens_on_nothing(local):
     before = listening(os.getpid())
     remote = EngineProcess(local.model, local.tokenizer, functools.partial(build_engine, "cpu"), [], "cpu")
@@ -275,6 +278,7 @@ def test_a_peer_trickling_bytes_is_dropped_at_the_handshakes_deadline(quick_serv
     assert running.handshakes == {}
 
 
+@pytest.mark.slow
 def test_silent_connections_cannot_crowd_out_a_trainer(quick_service, local):
     """At most 4 handshakes from one address: a fifth is closed at once, while a trainer from
     another address (127.0.0.2, loopback too) still gets its engine."""
@@ -308,6 +312,7 @@ def test_silent_connections_cannot_crowd_out_a_trainer(quick_service, local):
         remote.close()
 
 
+@pytest.mark.slow
 def test_an_ipv6_address_is_served(quick_service, local):
     try:
         with socket.socket(socket.AF_INET6) as probe:

@@ -108,6 +108,7 @@ def test_asynchronous_runs_refuse_what_they_cannot_do(tmp_path, model_dir):
         assert load_config(config, ["rollout.max_staleness=1", f"rollout.engine_address={fine}"]).rollout.engine_address == fine
 
 
+@pytest.mark.slow
 def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_dir, monkeypatch):
     """A judge that takes 0.8 s a call. Synchronously a batch is drawn only once the previous
     one's judge calls have all come back: no two batches are ever in flight (started, not yet
@@ -154,6 +155,7 @@ def test_one_step_off_policy_two_batches_are_in_flight_at_once(tmp_path, model_d
                 assert all(at[("start", j + 1)] > at[("scored", j - 1)] for j in (1, 2)), events
 
 
+@pytest.mark.slow
 def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model_dir):
     """kill -9 while batches generated ahead are in flight (a checkpoint every step): the resumed
     run makes them again from the weights the checkpoint kept, and ends as the run never killed
@@ -191,6 +193,7 @@ def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model
         assert torch.equal(wa[name], wb[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_process", [False, True])
 def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, index_dir, monkeypatch, engine_process):
     """async_schedule=newest with the agent loop: a version the update publishes while a batch's
@@ -296,6 +299,7 @@ def engine_settings(config, name, *extra):
     return load_config(config, [*overrides, *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["process", "service"])
 def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_does(thread_run, where, tmp_path, monkeypatch):
     """rollout.engine_process (spawned beside the trainer) or rollout.engine_address (a process
@@ -361,6 +365,7 @@ def test_an_engine_process_fed_over_torch_distributed_samples_what_the_thread_do
         assert "engine on cpu for 127.0.0.1:" in (tmp_path / "service.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_trainer_waiting_long_for_its_batch_says_so_and_where_the_threads_are(monkeypatch, caplog):
     """take() waits as long as the batch takes (a judge may be slow), and says so every
     STILL_WAITING_S: a run that is stuck is not silent. The threads' fault ends the wait."""

@@ -92,6 +92,7 @@ def _joined_elsewhere(rank: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_on_a_group_that_serves_no_cpu_tensors_use_their_own():
     on_two_ranks(_joined_elsewhere)
 
@@ -113,6 +114,7 @@ def _joined_here(rank: int) -> None:
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_ranks_that_join_the_group_on_cuda_join_with_a_cpu_backend():
     on_two_ranks(_joined_here)
 
@@ -168,6 +170,7 @@ def _update(rank: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_an_update_on_two_ranks_of_the_emulated_group_equals_one_process():
     on_two_ranks(_update)
 
@@ -204,6 +207,7 @@ def _sharded_save(rank: int, root: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_waits_on_the_ranks_own_group(tmp_path):
     on_two_ranks(_sharded_save, str(tmp_path))
 

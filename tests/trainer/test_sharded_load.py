@@ -60,6 +60,7 @@ def load_kind_on_rank(rank: int, folder: str, kind: str) -> None:
         assert (head.weight is embeddings.weight) == bool(copy.config.get_text_config().tie_word_embeddings)
 
 
+@pytest.mark.slow
 def test_each_rank_fills_its_shards_from_rank_0_and_gets_the_files_weights(tmp_path):
     from vision_helpers import tiny_vlm
 
@@ -98,6 +99,7 @@ def measure_on_rank(rank: int, folder: str, whole_gb: float) -> None:
         assert grew > 0.9 * whole_gb, (grew, whole_gb)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resident-set peak reset")
 def test_rank_1_never_holds_the_whole_model(tmp_path):
     folder = tmp_path / "model"

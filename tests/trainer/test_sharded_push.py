@@ -107,6 +107,7 @@ def _stream(rank: int, kind: str) -> None:
     assert all(t.dtype == torch.bfloat16 for _, t in sharded_state(policy, torch.bfloat16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tied", "untied", "lora", "qwen2_vl"])
 def test_a_sharded_policy_streams_its_whole_weights_one_module_at_a_time(kind):
     if kind == "lora":

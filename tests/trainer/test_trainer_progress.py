@@ -99,6 +99,7 @@ def test_eval_without_held_out_data_is_one_line(tmp_path, model_dir, capsys):
 
 
 # ------------------------------------------------------------------------- time limit
+@pytest.mark.slow
 def test_the_time_limit_counts_training_steps_not_the_baseline(tmp_path, model_dir, monkeypatch, capsys):
     """A baseline evaluation longer than the limit still leaves the steps their time."""
     evaluate, train_step = Trainer.evaluate, Trainer.train_step

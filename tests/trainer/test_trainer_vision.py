@@ -25,6 +25,7 @@ def trainer_for(root, family, *overrides, **kwargs):
     return Trainer(load_config(write_vision_run(root, family, **kwargs), list(overrides)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, family):
     """Reward: the share of "a" in the response (the tiny policy can learn it fast); the point is
@@ -197,6 +198,7 @@ def test_an_engine_that_sees_a_prompts_images_otherwise_names_the_sample(tmp_pat
     assert str(caught.value).startswith(f"sample {samples[1].uid!r}: prompt 1, image 0 (40x56): vLLM expands")
 
 
+@pytest.mark.slow
 def test_a_vlm_engine_process_samples_what_the_thread_does(tmp_path):
     """rollout.engine_process with a VLM policy: the prompts' images travel to the engine process
     with each request; one step off policy the run is the one of the engine on a thread."""

@@ -191,6 +191,7 @@ def test_failed_records_are_written_then_judged_again(start_server, tmp_path):
     assert all(r["judge"]["error"] is None for r in final)
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_without_repeats_or_half_lines(start_server, tmp_path):
     server = start_server(latency=0.1)
     records = write_rollouts(tmp_path / "r.jsonl", 40)

@@ -68,6 +68,7 @@ def reference_scores(path, pairs):
 PAIRS = [("hi", "hello there"), ("hi", "go away"), ("2+2?", "4"), ("2+2?", "five"), ("x", "y"), ("x", "")]
 
 
+@pytest.mark.slow
 def test_a_sequence_classifier_scores_in_its_worker_batched(classifier_dir):
     reward = CompositeReward.from_config(classifier_config(classifier_dir, batch_size=4))
     try:
@@ -146,6 +147,7 @@ def image_reward_config(pipeline, clip, cache):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_text_to_image_then_clip_scores_the_response_drawing_against_the_request(image_models, tmp_path):
     import zlib
 
@@ -274,6 +276,7 @@ class FakeImageService:
         self.server.server_close()
 
 
+@pytest.mark.slow
 def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(image_models, tmp_path, monkeypatch, caplog):
     _, clip = image_models
     start_server(PRELOAD)  # the worker's server started before the key is set: the worker still reads it
@@ -309,6 +312,7 @@ def test_an_image_service_draws_with_retries_and_a_failing_sample_falls_back(ima
     assert "HTTP 500" in caplog.text and "sk-secret-123" not in caplog.text
 
 
+@pytest.mark.slow
 def test_model_rewards_score_groups_while_generation_goes_on(classifier_dir):
     """The streaming path: groups submitted as they finish are scored by the worker while the
     caller keeps "generating" (sleeping here); little is left to wait for at the end."""
