@@ -1,0 +1,65 @@
+"""The shape the code keeps (DEVELOPERS.md, Structure): files and functions that fit on a few
+screens, and callers that ask an engine through its interface, never what class it is."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "grouprl"
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 100
+ENGINE_CLASSES = {"HFEngine", "VLLMEngine", "EngineProcess", "EngineService"}
+
+
+def sources() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text(encoding="utf-8"))) for path in sorted(SRC.rglob("*.py"))]
+
+
+def test_no_file_or_function_is_too_long():
+    too_long = []
+    for path, tree in sources():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(SRC)}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, too_long
+
+
+def engine_class_checks(tree: ast.Module) -> list[int]:
+    """Lines of isinstance(x, <engine class>) and hasattr/getattr(<...engine...>, ...)."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+            continue
+        if node.func.id == "isinstance" and len(node.args) == 2:
+            names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            names |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            if names & ENGINE_CLASSES:
+                found.append(node.lineno)
+        if node.func.id in ("hasattr", "getattr") and "engine" in ast.unparse(node.args[0]).lower():
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_engines_room_asks_an_engine_what_it_is():
+    outside = {
+        f"{path.relative_to(SRC)}:{line}"
+        for path, tree in sources()
+        if path.relative_to(SRC).parts[:2] != ("rollout", "engines")
+        for line in engine_class_checks(tree)
+    }
+    assert not outside, sorted(outside)
+
+
+def test_the_checks_see_what_they_look_for():
+    """The two checks above can fail: each finds its pattern in code written for it."""
+    code = ast.parse(
+        "if isinstance(p.engine, HFEngine): pass\n"
+        "x = getattr(self.engine, 'push_seconds', None)\n"
+        "y = isinstance(engine, engines.VLLMEngine)\n"
+        "z = isinstance(value, dict)\n"
+    )
+    assert engine_class_checks(code) == [1, 2, 3]
