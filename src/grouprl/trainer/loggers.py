@@ -7,7 +7,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -190,9 +192,11 @@ def _with_kept_pages(turns: list[dict[str, Any]], images_dir: Path | None) -> li
             target = Path(images_dir) / "pages" / f"{_safe(resolved.stem)}_{digest}{resolved.suffix}"
             if not target.is_file():
                 target.parent.mkdir(parents=True, exist_ok=True)
-                partial = target.with_name(f".{target.name}.partial")
+                # each process its own partial file (every rank writes its rows' lines), then one
+                # atomic rename: a reader never sees half a page, and two ranks never share a file
+                partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
                 shutil.copyfile(resolved, partial)
-                partial.replace(target)  # a reader never sees half a page
+                partial.replace(target)
             turn = {**turn, "page": str(target.relative_to(Path(images_dir).parent))}
         out.append(turn)
     return out
