@@ -9,9 +9,9 @@ grouprl retriever serve --index index/ [--port 8002] [--host 127.0.0.1] [--mode 
 from __future__ import annotations
 
 import argparse
-import socket
 
 from grouprl.errors import ConfigError
+from grouprl.ports import check_port_free
 from grouprl.retriever.embed import DEFAULT_EMBEDDING_MODEL
 from grouprl.retriever.fusion import DEFAULT_RRF_K, MODES
 from grouprl.retriever.service import (
@@ -119,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_queries", "max_query_chars", "max_body_bytes", "request_timeout"):
         if not getattr(args, name) > 0:  # NaN too
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name):g}")
-    _check_port_free(args.host, args.port)
+    check_port_free(args.host, args.port)
     retriever = Retriever.load(args.index, mode=args.mode)
     retriever.search(["warm-up"], top_k=1)  # load the embedder before the first request
     print(f"serving {retriever.count} documents from {args.index} on http://{args.host}:{args.port}")
@@ -137,12 +137,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     return 0
 
-
-def _check_port_free(host: str, port: int) -> None:
-    """Fail with one line before the (slow) index load, not with a bind traceback after it."""
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

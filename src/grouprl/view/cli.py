@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import socket
 
-from grouprl.errors import ConfigError, UserError
+from grouprl.errors import UserError
+from grouprl.ports import check_port_free
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,14 +39,3 @@ def cmd_view(args: argparse.Namespace) -> int:
     uvicorn.run(create_app(runs), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
-
-def check_port_free(host: str, port: int) -> None:
-    """One line for a port in use (or an address this machine does not have), not a bind traceback."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--port must be from 0 to 65535, got {port}")
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
