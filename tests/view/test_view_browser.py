@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 from grouprl.config import load_config
 from grouprl.data.tasks.slides_files import write_slides_task
@@ -163,3 +164,6 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
         view.screenshot(path=str(shots / "view_heldout.png"))
         assert KEY not in view.content() and not errors
         browser.close()
+    if docs:  # the README's figures: 128 colours keep each under about 60 KB
+        for shot in shots.glob("view_*.png"):
+            Image.open(shot).convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(shot, optimize=True)
