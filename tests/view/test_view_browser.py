@@ -133,6 +133,20 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
         assert view.locator("#traj-step option").all_inner_texts() == ["1", "2"]
         assert view.locator(".group").count() == 2 and view.locator(".sample-row").count() == 4
         view.screenshot(path=str(shots / "view_trajectories.png"))
+        # the filters: zero-variance groups only, then samples of reward 0.5 or more, as step 1's records say
+        step1 = [r for r in records if r["step"] == 1]
+        uids = {r["uid"] for r in step1}
+        flat = sum(len({r["reward"] for r in step1 if r["uid"] == u}) == 1 for u in uids)
+        view.check("#only-zero-variance")
+        assert view.locator(".group").count() == flat
+        assert view.locator("#groups .note").count() == (flat == 0)  # "No group passes the filters."
+        view.uncheck("#only-zero-variance")
+        view.fill("#reward-min", "0.5")
+        high = [r for r in step1 if r["reward"] >= 0.5]
+        assert 0 < len(high) < 4 and view.locator(".sample-row").count() == len(high)
+        assert view.locator(".group").count() == len({r["uid"] for r in high})
+        view.fill("#reward-min", "")
+        assert view.locator(".group").count() == 2 and view.locator(".sample-row").count() == 4
         view.locator(".sample-row").first.click()
         view.wait_for_selector("#turns .turn")
         assert view.locator("#turns .turn").count() == len(first["turns"])
