@@ -216,3 +216,76 @@ def test_a_read_only_run_keeps_its_index_in_the_cache(run, tmp_path, monkeypatch
     assert client.get("/api/runs/demo/steps/1").status_code == 200  # the judge log's index too
     [kept] = (tmp_path / "cache" / "grouprl" / "view").iterdir()
     assert sorted(p.name for p in kept.iterdir()) == ["judge.index.json", "rollouts.index.json"]
+
+
+def slow_judge_index(monkeypatch, added: list) -> None:
+    """JudgeIndex.add noting each line it indexes and taking 50 ms over it: a build that lasts
+    long enough for another request to come in meanwhile."""
+    import time
+
+    from grouprl.view.index import JudgeIndex
+
+    real_add = JudgeIndex.add
+
+    def add(index, offset, line):
+        added.append(offset)
+        time.sleep(0.05)
+        real_add(index, offset, line)
+
+    monkeypatch.setattr(JudgeIndex, "add", add)
+
+
+STEP1_JUDGED = [[(1, False), (1, True)], [(0, False), (0, False)]]  # u1/0 ok, u1/1 failed; u2 none
+
+
+def test_two_first_requests_for_a_step_at_once_build_the_judge_index_once(run, monkeypatch):
+    """Sync routes run on a thread pool: two requests for a fresh run's step that come together
+    (its judge log not yet indexed) get the same whole answer, and judge.jsonl's 3 lines are
+    indexed once."""
+    import threading
+
+    import httpx
+
+    from grouprl.retriever.service import BackgroundServer
+
+    added: list[int] = []
+    slow_judge_index(monkeypatch, added)
+    answers: list = [None, None]
+    together = threading.Barrier(2)
+
+    def ask(k, url):
+        together.wait()
+        answers[k] = httpx.get(f"{url}/api/runs/demo/steps/1", timeout=30)
+
+    with BackgroundServer(create_app(open_runs([str(run)]))) as server:
+        threads = [threading.Thread(target=ask, args=(k, server.url)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert [a.status_code for a in answers] == [200, 200] and answers[0].json() == answers[1].json()
+    groups = answers[0].json()["groups"]
+    assert [[(s["judge_calls"], s["judge_failed"]) for s in g["samples"]] for g in groups] == STEP1_JUDGED
+    lines = (run / "judge.jsonl").read_bytes().split(b"\n")
+    assert added == [0, len(lines[0]) + 1, len(lines[0]) + len(lines[1]) + 2]  # each line once, in order
+
+
+def test_the_judge_index_is_built_in_the_background_after_the_runs_are_listed(run, monkeypatch):
+    """/api/runs answers without the judge log's index, then starts building it on a thread of
+    its own; a step asked for meanwhile waits for that build (not a second one), and the index
+    is then kept beside the run."""
+    added: list[int] = []
+    slow_judge_index(monkeypatch, added)
+    [demo] = open_runs([str(run)])
+    client = TestClient(create_app([demo]))
+    assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
+    assert demo.indexing is not None and demo.indexing.daemon  # started once the runs were answered
+    groups = client.get("/api/runs/demo/steps/1").json()["groups"]  # while it builds: waits for it
+    assert [[(s["judge_calls"], s["judge_failed"]) for s in g["samples"]] for g in groups] == STEP1_JUDGED
+    assert len(added) == 3
+    first = demo.indexing
+    assert client.get("/api/runs").status_code == 200 and demo.indexing is first  # one build a viewer
+    first.join(5)
+    kept = json.loads((run / ".view" / "judge.index.json").read_text())
+    assert kept["end"] == (run / "judge.jsonl").stat().st_size and sorted(kept["requests"]) == ["u1/0", "u1/1"]
+    assert len(added) == 3

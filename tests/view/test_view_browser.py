@@ -1,10 +1,12 @@
-"""grouprl view as a user sees it: a real two-step run of the VLM search agent (a tiny Idefics3,
-the embedded VLM's family, searching page images of the slides task and cropping them, graded
-by a judge on a fake OpenAI-compatible server), two held-out evaluations, the viewer serving
-them, and headless Chromium (Debian's package, driven by playwright) reading what the page drew:
-the reward curve's points, a trajectory's turns, its page image and crop box, the judge's reply,
-the two evaluations side by side. A screenshot of each view is saved (to
-$GROUPRL_VIEW_SCREENSHOTS when set: that is how docs/view_*.png are made)."""
+"""grouprl view as a user sees it: a real two-step run of the VLM search agent (searching page
+images of the slides task and cropping them, graded by a judge on a fake OpenAI-compatible
+server), two held-out evaluations, the viewer serving them, and headless Chromium (Debian's
+package, driven by playwright) reading what the page drew: the reward curve's points, a
+trajectory's turns, its page image and crop box, the judge's reply, the two evaluations side by
+side. The run is made twice: on a tiny random Idefics3 and on the embedded VLM
+(`builtin:smolvlm-smollm2-135m`, SmolLM2-135M with a random vision tower). A screenshot of each
+view is saved (to $GROUPRL_VIEW_SCREENSHOTS when set, from the embedded VLM's run: that is how
+docs/view_*.png are made)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 from grouprl.config import load_config
 from grouprl.data.tasks.slides_files import write_slides_task
@@ -29,7 +32,11 @@ from vision_helpers import ForcedTurns, tiny_vlm
 
 pytestmark = pytest.mark.slow
 KEY = "view-test-key-never-shown"
-BOX = [4, 2, 20, 12]  # inside the page as shown (32 x 16 here)
+BOX = [4, 2, 20, 12]  # inside the page as shown (32 x 16 to the tiny VLM, 64 x 32 to the embedded one)
+EMBEDDED_VLM = "builtin:smolvlm-smollm2-135m"  # assembled once into ~/.cache/grouprl/models
+# a turn's and an observation's tokens: the tiny tokenizer spells the <bbox> out in more tokens
+# and shows a page in more image tokens; the embedded VLM's real sizes are kept short (time)
+SIZES = {"tiny": (32, 120), "embedded": (24, 64)}
 
 
 def chromium() -> str | None:
@@ -40,21 +47,22 @@ def grade(call):  # every other call right, so the group's rewards differ
     return Reply(content=json.dumps({"correctness": call.number % 2}))
 
 
-def make_run(root: Path, judge_url: str, monkeypatch) -> Path:
+def make_run(root: Path, judge_url: str, monkeypatch, model: str) -> Path:
     files = write_slides_task(
         root / "data", 0, 4, 2, n_decks=2, slides_per_deck=(3, 3), two_slide_share=0.0,
         image_size=(112, 56), self_answer=True,
     )  # fmt: skip
     build_index(files.corpus, root / "index", embedder=shared_embedder(), mode="bm25")
     word = json.loads(files.corpus.read_text().splitlines()[0])["title"].split()[0]
-    tiny_vlm("idefics3", root / "model", init_std=0.02, vision_init_std=0.2)
+    if model == "tiny":
+        tiny_vlm("idefics3", root / "model", init_std=0.02, vision_init_std=0.2)
     tree = {
         "data": {"train_files": [str(files.train)], "val_files": [str(files.val)], "train_batch_size": 2,
                  "max_prompt_length": 1024},
-        "model": {"path": str(root / "model")},
-        "rollout": {"n_agent": 2, "max_response_length": 32, "temperature": 1.0},
+        "model": {"path": str(root / "model") if model == "tiny" else EMBEDDED_VLM},
+        "rollout": {"n_agent": 2, "max_response_length": SIZES[model][0], "temperature": 1.0},
         "agent": {"enabled": True, "retriever": {"index": str(root / "index")}, "tools": ["search", "bbox"],
-                  "answer_generator": "none", "max_turns": 3, "max_observation_tokens": 120,
+                  "answer_generator": "none", "max_turns": 3, "max_observation_tokens": SIZES[model][1],
                   "system_prompt": "Act with <search>, <bbox> or <answer>."},
         "reward": {
             "judges": [{"name": "grader", "model": "fake-judge", "base_url": judge_url, "api_key_env": "VIEW_JUDGE_KEY",
@@ -64,7 +72,7 @@ def make_run(root: Path, judge_url: str, monkeypatch) -> Path:
             "val_metric": "judge"},
         "actor": {"micro_batch_size": 4, "dtype": "float32"},
         "trainer": {"total_steps": 2, "device": "cpu", "output_dir": str(root / "runs"), "experiment_name": "vlm_agent",
-                    "loggers": ["jsonl"], "test_freq": 0, "save_freq": 0, "save_final": False, "save_best": False,
+                    "loggers": ["jsonl"], "test_freq": 0, "save_freq": 0, "save_final": False, "save_best": False, "save_last": False,
                     "val_before_train": False, "seed": 0},
     }  # fmt: skip
     (root / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -80,15 +88,17 @@ def make_run(root: Path, judge_url: str, monkeypatch) -> Path:
     return run
 
 
-def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", ["tiny", "embedded"])
+def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model):
     if chromium() is None:  # a missing browser is a failure, not a skip: the page is what is tested
         pytest.fail("no chromium on PATH: `make browser` (part of `make test`) installs Debian's package")
     from playwright.sync_api import sync_playwright
 
-    shots = Path(os.environ.get("GROUPRL_VIEW_SCREENSHOTS") or tmp_path / "shots")
+    docs = os.environ.get("GROUPRL_VIEW_SCREENSHOTS") if model == "embedded" else None
+    shots = Path(docs or tmp_path / "shots")
     shots.mkdir(parents=True, exist_ok=True)
     with FakeJudgeServer(behaviour=grade).start() as judge:
-        run = make_run(tmp_path, judge.base_url, monkeypatch)
+        run = make_run(tmp_path, judge.base_url, monkeypatch, model)
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [(m["step"], m["reward/mean"]) for m in metrics if "reward/mean" in m]
     records = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
@@ -123,6 +133,20 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch):
         assert view.locator("#traj-step option").all_inner_texts() == ["1", "2"]
         assert view.locator(".group").count() == 2 and view.locator(".sample-row").count() == 4
         view.screenshot(path=str(shots / "view_trajectories.png"))
+        # the filters: zero-variance groups only, then samples of reward 0.5 or more, as step 1's records say
+        step1 = [r for r in records if r["step"] == 1]
+        uids = {r["uid"] for r in step1}
+        flat = sum(len({r["reward"] for r in step1 if r["uid"] == u}) == 1 for u in uids)
+        view.check("#only-zero-variance")
+        assert view.locator(".group").count() == flat
+        assert view.locator("#groups .note").count() == (flat == 0)  # "No group passes the filters."
+        view.uncheck("#only-zero-variance")
+        view.fill("#reward-min", "0.5")
+        high = [r for r in step1 if r["reward"] >= 0.5]
+        assert 0 < len(high) < 4 and view.locator(".sample-row").count() == len(high)
+        assert view.locator(".group").count() == len({r["uid"] for r in high})
+        view.fill("#reward-min", "")
+        assert view.locator(".group").count() == 2 and view.locator(".sample-row").count() == 4
         view.locator(".sample-row").first.click()
         view.wait_for_selector("#turns .turn")
         assert view.locator("#turns .turn").count() == len(first["turns"])
@@ -154,3 +178,6 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch):
         view.screenshot(path=str(shots / "view_heldout.png"))
         assert KEY not in view.content() and not errors
         browser.close()
+    if docs:  # the README's figures: 128 colours keep each under about 60 KB
+        for shot in shots.glob("view_*.png"):
+            Image.open(shot).convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(shot, optimize=True)

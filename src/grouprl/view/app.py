@@ -6,7 +6,8 @@ inside a run folder and only as images (`Run.file`); the page's scripts are the 
 
     GET /                                   the page
     GET /static/{app.js|style.css|plotly.min.js}
-    GET /api/runs                           each run's steps, counts and held-out folders
+    GET /api/runs                           each run's steps, counts and held-out folders (then
+                                            the judge logs' index is built in the background)
     GET /api/runs/{run}/metrics?since=N&generation=G   metrics.jsonl rows (the new ones)
     GET /api/runs/{run}/steps/{step}        a step's groups and their samples' figures
     GET /api/runs/{run}/sample?step=&uid=&sample=      a trajectory: turns, pages, judge calls
@@ -38,7 +39,7 @@ def plotly_js() -> Path | None:
 
 
 def create_app(runs: list[Run]) -> Any:
-    from fastapi import FastAPI, HTTPException
+    from fastapi import BackgroundTasks, FastAPI, HTTPException
     from fastapi.responses import FileResponse, HTMLResponse, Response
 
     app = FastAPI(title="grouprl view", docs_url=None, redoc_url=None, openapi_url=None)
@@ -67,7 +68,11 @@ def create_app(runs: list[Run]) -> Any:
         return Response((static / name).read_bytes(), media_type=STATIC[name])
 
     @app.get("/api/runs")
-    def list_runs() -> list[dict[str, Any]]:
+    def list_runs(background: BackgroundTasks) -> list[dict[str, Any]]:
+        # the page's first question: once it is answered, the judge logs' index is built on a
+        # thread of its own, ready (or nearly) when a step's trajectories are first asked for
+        for run in runs:
+            background.add_task(run.index_judges)
         return [run.summary() for run in runs]
 
     @app.get("/api/runs/{name}/metrics")

@@ -31,7 +31,7 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise UserError("grouprl view draws its curves with plotly, which is not installed: pip install 'grouprl[view]'")
     check_port_free(args.host, args.port)
     for run in runs:  # the steps' index, built (or extended) before the first page asks for it;
-        run.refresh(judges=False)  # the judge logs' on the first step or sample asked for
+        run.refresh(judges=False)  # the judge logs' in the background once /api/runs is answered
     import uvicorn
 
     url = f"http://{args.host}:{args.port}"

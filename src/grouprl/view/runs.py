@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -62,21 +64,59 @@ class Run:
         self.rollouts = RolloutIndex(self.root / "rollouts.jsonl", self.store / "rollouts.index.json")
         self.judges: dict[Path, JudgeIndex] = {}
         self.step_times: dict[int, float] = {}  # when a step's lines were written (its judge window's end)
+        # requests come on several threads (FastAPI's pool) and the judge logs' index on one of
+        # its own: `lock` keeps the steps (metrics, rollouts), `judge_lock` the judge logs; who
+        # needs both takes `judge_lock` first
         self.lock = threading.Lock()
+        self.judge_lock = threading.Lock()
+        self.indexing: threading.Thread | None = None
 
     # -- what is there -----------------------------------------------------------------------
     def refresh(self, judges: bool = True) -> None:
-        """Read what the run's files gained (requests come on several threads: one at a time).
-        `judges=False`: not the judge logs (only a step's or a sample's page needs them, so a
-        run opens without building their index)."""
+        """Read what the run's files gained. `judges=False`: not the judge logs (only a step's or
+        a sample's page needs them, so a run opens without building their index)."""
+        if judges:
+            with self.current():
+                return
         with self.lock:
-            self.metrics.refresh()
-            if self.rollouts.refresh():
-                self.step_times.clear()
-            for path in sorted(self.root.glob("judge*.jsonl")) if judges else []:
-                if path not in self.judges:
-                    self.judges[path] = JudgeIndex(path, self.store / f"{path.stem}.index.json")
-                self.judges[path].refresh()
+            self._refresh_steps()
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        """Holds the run still, its steps and judge logs read up to now: a step's page is made
+        inside. The judge logs' index is built (or extended) before the steps are locked, so a
+        first build keeps no one from the run's steps; it is extended again after them (a
+        step's judge calls are logged before its rollouts)."""
+        with self.judge_lock:
+            self._refresh_judges()
+            with self.lock:
+                self._refresh_steps()
+                self._refresh_judges()
+                yield
+
+    def index_judges(self) -> threading.Thread:
+        """Build the judge logs' index on a thread of its own (once; a step or sample asked for
+        meanwhile waits for it rather than building it again)."""
+        with self.lock:
+            if self.indexing is None:
+                self.indexing = threading.Thread(target=self._index_judges, name=f"view-index-{self.name}", daemon=True)
+                self.indexing.start()
+            return self.indexing
+
+    def _index_judges(self) -> None:
+        with self.judge_lock:
+            self._refresh_judges()
+
+    def _refresh_steps(self) -> None:
+        self.metrics.refresh()
+        if self.rollouts.refresh():
+            self.step_times.clear()
+
+    def _refresh_judges(self) -> None:
+        for path in sorted(self.root.glob("judge*.jsonl")):
+            if path not in self.judges:
+                self.judges[path] = JudgeIndex(path, self.store / f"{path.stem}.index.json")
+            self.judges[path].refresh()
 
     def evals(self) -> list[str]:
         """The folders (relative to the run, "." for the run itself) holding an answers.jsonl."""
@@ -84,12 +124,14 @@ class Run:
         return [str(p.parent.relative_to(self.root)) for p in found if p.is_file()]
 
     def summary(self) -> dict[str, Any]:
-        self.refresh(judges=False)
+        with self.lock:
+            self._refresh_steps()
+            steps, rows = dict(self.rollouts.steps), len(self.metrics.rows)
         return {
             "name": self.name,
-            "steps": sorted(self.rollouts.steps),
-            "trajectories": sum(span[2] for span in self.rollouts.steps.values()),
-            "metric_rows": len(self.metrics.rows),
+            "steps": sorted(steps),
+            "trajectories": sum(span[2] for span in steps.values()),
+            "metric_rows": rows,
             "judge_logs": len(list(self.root.glob("judge*.jsonl"))),
             "evals": self.evals(),
         }
@@ -97,7 +139,10 @@ class Run:
     # -- one step ----------------------------------------------------------------------------
     def step_groups(self, step: int) -> dict[str, Any]:
         """A step's groups, each with its samples' figures (no full texts: those are per sample)."""
-        self.refresh()
+        with self.current():
+            return self._step_groups(step)
+
+    def _step_groups(self, step: int) -> dict[str, Any]:
         records = self.rollouts.records(step)
         window = self._window(step, records)
         groups: dict[str, dict[str, Any]] = {}
@@ -129,7 +174,10 @@ class Run:
 
     def sample(self, step: int, uid: str, sample: int) -> dict[str, Any] | None:
         """One trajectory's whole record, each turn's page as a link, and its judge calls."""
-        self.refresh()
+        with self.current():
+            return self._sample(step, uid, sample)
+
+    def _sample(self, step: int, uid: str, sample: int) -> dict[str, Any] | None:
         records = self.rollouts.records(step)
         record = next((r for r in records if r.get("uid") == uid and r.get("sample") == sample), None)
         if record is None:
@@ -147,9 +195,11 @@ class Run:
 
     def uid_history(self, uid: str) -> list[dict[str, Any]]:
         """A prompt's group at every step it was drawn: its samples' rewards and answers."""
-        self.refresh()
+        with self.lock:
+            self._refresh_steps()
+            steps = list(self.rollouts.uids.get(uid, []))
         out = []
-        for step in self.rollouts.uids.get(uid, []):
+        for step in steps:
             records = [r for r in self.rollouts.records(step) if r.get("uid") == uid]
             out.append({
                 "step": step,
