@@ -22,9 +22,10 @@ import yaml
 from grouprl.errors import ConfigError
 
 from .keys import check_structure, first_leaf, unknown_key
+from .reward import RewardConfig
 from .rules import validate
-from .tree import Config, field_default, to_dict
-from .verl import GATE_DEFAULTS, GATES, NEAREST, NO_EFFECT, VERL_KEYS, translate_value
+from .tree import Config, all_keys, field_default, to_dict
+from .translate import is_source_key, show, translate
 
 _logger = logging.getLogger(__name__)
 
@@ -137,16 +138,6 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _translate_verl_key(key: str, value: Any) -> tuple[str, Any]:
-    key = key.lstrip("+")
-    if key in VERL_KEYS:
-        try:
-            return VERL_KEYS[key], translate_value(key, value)
-        except ValueError as e:
-            raise ConfigError(f"verl key '{key}'={e}") from None
-    return key, value
-
-
 _KEY_PART = re.compile(r"([^\[\]]*)((?:\[\d+\])*)")
 
 
@@ -180,15 +171,7 @@ def apply_override(tree: dict[str, Any], dotted: str) -> None:
     if "=" not in dotted:
         raise ConfigError(f"override '{dotted}' must look like section.key=value")
     key, text = dotted.split("=", 1)
-    if key.strip().lstrip("+") in NO_EFFECT:  # verl keys grouprl has no use for: said once, not refused
-        _logger.warning("verl key '%s' has no effect in grouprl: %s", key.strip().lstrip("+"), NO_EFFECT[key.strip().lstrip("+")])
-        return
-    if key.strip().lstrip("+") in GATES:
-        raise ConfigError(f"verl's gate '{key.strip()}' is read by load_config, after the other overrides")
-    if key.strip().lstrip("+") in NEAREST:
-        name = key.strip().lstrip("+")
-        raise ConfigError(f"verl key '{name}' has no grouprl setting; nearest: {NEAREST[name]} (grouprl convert reports every key of a script)")
-    key, value = _translate_verl_key(key.strip(), _parse_value(text))
+    key, value = key.strip().lstrip("+"), _parse_value(text)
     tokens = _key_tokens(key)
     node: Any = tree
     tp: Any = Config  # the annotation of `node`; None inside a free-form mapping (kwargs, fields)
@@ -249,18 +232,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
         _files_beside(tree, p.resolve().parent)
-    gates = [item for item in overrides if item.partition("=")[0].strip().lstrip("+") in GATES]
-    rest = [item for item in overrides if item not in gates]
-    for item in rest:
+    grouprl_keys = all_keys()
+    source = [item for item in overrides if is_source_key(item.partition("=")[0], grouprl_keys)]
+    ours = [item for item in overrides if item not in source]
+    for item in ours:
         apply_override(tree, item)
-    named = {item.partition("=")[0].strip().lstrip("+") for item in rest}
-    for item in gates:  # verl's switches, after what they switch: closed, the setting is 0; open, as given or verl's
-        gate, _, text = item.partition("=")
-        behind, ours = GATES[gate.strip().lstrip("+")]
-        if str(_parse_value(text)).lower() in ("false", "0", "no"):
-            apply_override(tree, f"{ours}=0")
-        elif behind not in named and ours not in named:
-            apply_override(tree, f"{ours}={GATE_DEFAULTS[behind]}")
+    if source:  # verl's or TRL's names: the one translator, after grouprl's own overrides
+        named = {item.partition("=")[0].strip().lstrip("+") for item in ours}
+        _, report = translate(source, named_ours=named, grouprl_keys=grouprl_keys, tree=tree)
+        if report.not_taken:
+            listed = "; ".join(f"{k}={show(v)} ({why})" for k, v, why in report.not_taken)
+            raise ConfigError(f"{len(report.not_taken)} override(s) not taken: {listed}")
+        if report.overlong is not None:  # DAPO's overlong buffer: one more reward component
+            reward = tree.setdefault("reward", {})
+            components = reward.get("components") or to_dict(field_default(RewardConfig, "components"))
+            reward["components"] = [*components, {"name": "overlong", "function": "overlong_penalty", "weight": 1.0,
+                                                  "kwargs": report.overlong}]  # fmt: skip
+        for key, _, why in report.no_effect:
+            _logger.warning("%s key '%s' has no effect in grouprl: %s", report.source, key, why)
     return from_dict(tree)
 
 

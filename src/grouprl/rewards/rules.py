@@ -351,7 +351,8 @@ def _qa_text(text: str) -> str:
 
 def search_em(response: str, ground_truth: Any = None, **kwargs) -> float:
     """verl's search-R1 scorer (exact match): the last `<answer>` equal, normalised, to one of
-    the ground truth's `target` answers (a dict {"target": [...]}, a list, or one string).
+    the ground truth's `target` answers (a dict {"target": [...]}, a list, or one string); a
+    quarter of that when the response holds more than 10 `<answer>` or `</answer>` tags.
 
     >>> search_em("<answer>The Eiffel Tower</answer>", {"target": ["eiffel tower", "tour eiffel"]})
     1.0
@@ -363,39 +364,15 @@ def search_em(response: str, ground_truth: Any = None, **kwargs) -> float:
         return 0.0
     targets = ground_truth.get("target", []) if isinstance(ground_truth, dict) else ground_truth
     targets = [targets] if isinstance(targets, str) else list(targets or [])
-    return 1.0 if _qa_text(matches[-1].strip()) in {_qa_text(t) for t in targets} else 0.0
-
-
-# verl's default scorer by data_source (verl.utils.reward_score.default_compute_score), as grouprl's rules
-SEARCH_R1_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
-
-
-def verl_scorer(data_source: str) -> str | None:
-    """The built-in rule verl's default scorer uses for `data_source`, or None."""
-    if data_source == "openai/gsm8k":
-        return "gsm8k"
-    if data_source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo",
-                       "math", "math_dapo_reasoning", "hiyouga/geometry3k") or data_source.startswith("aime"):  # fmt: skip
-        return "boxed"
-    if data_source in SEARCH_R1_SOURCES or data_source.startswith("searchR1"):
-        return "search_em"
-    return None
-
-
-def verl_default(response: str, ground_truth: Any = None, *, sample: Any = None, **kwargs) -> float:
-    """verl's default scorer, chosen per sample by its `data_source` (see `verl_scorer`)."""
-    source = getattr(sample, "data_source", "") or ""
-    name = verl_scorer(source)
-    if name is None:
-        raise ValueError(f"no verl default scorer for data_source {source!r}: set a reward for it")
-    return RULES[name](response, ground_truth)
+    if _qa_text(matches[-1].strip()) not in {_qa_text(t) for t in targets}:
+        return 0.0
+    return 0.25 if response.count("<answer>") > 10 or response.count("</answer>") > 10 else 1.0  # verl's cap on tag spam
 
 
 RULES: dict[str, Callable[..., float]] = {
     "gsm8k": gsm8k,
     "boxed": boxed,
     "search_em": search_em,
-    "verl_default": verl_default,
     "overlong_penalty": overlong_penalty,
     "correctness": correctness,
     "strict_format": strict_format,
@@ -403,3 +380,7 @@ RULES: dict[str, Callable[..., float]] = {
     "xml_count": xml_count,
     "contains_integer": contains_integer,
 }
+
+from .verl_scorers import SEARCH_R1_SOURCES, VERL_RULES, verl_default, verl_scorer  # noqa: E402  (they call RULES)
+
+RULES.update(VERL_RULES)
