@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 
 LIMIT = 2**63  # bash's integers are signed 64-bit
-MAX_NESTING = 100
+MAX_NESTING = 32
 
 
 class ArithmeticProblem(ValueError):

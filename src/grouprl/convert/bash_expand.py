@@ -18,7 +18,7 @@ from .bash_lex import Lexer
 
 UNKNOWN, UNKNOWN_END, SECRET, SECRET_END = "\ue000", "\ue001", "\ue002", "\ue003"
 MARKS = re.compile("[\ue000-\ue003]")
-SECRET_NAME = re.compile(r"(?:^|_)(?:API_?KEYS?|KEYS?|TOKENS?|SECRETS?|PASSWORDS?|PASSWD|CREDENTIALS?)(?:_|$)", re.I)
+SECRET_NAME = re.compile(r"SECRET|PASSWORD|PASSWD|CREDENTIAL|(?:^|_)(?:API_?KEYS?|KEYS?|TOKENS?)$", re.I)
 _PARAMETER = re.compile(r"([#!]?)([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!0-])(\[[^\]]*\])?")
 _OPERATOR = re.compile(r":?[-=+?]|##?|%%?|//?|/#|/%|\^\^?|,,?|:|@[QEPAaUuLk]")
 _IFS_SPLIT = re.compile(r"[ \t\n]+")

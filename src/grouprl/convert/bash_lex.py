@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from grouprl.errors import ConfigError
 
-MAX_DEPTH = 100  # nested constructs ($(...), ${...}, blocks): deeper is refused, not recursed into
+MAX_DEPTH = 50  # nested constructs ($(...), ${...}, blocks): deeper is refused, not recursed into
 
 
 class BashError(ConfigError):
@@ -194,6 +194,9 @@ class Lexer:
             self._advance(self._parens(self.pos + 2, 0))
         while self.pos < n:
             ch = text[self.pos]
+            if ch in "<>" and text.startswith("(", self.pos + 1) and self.pos > start:  # a=<(...): inside the word
+                self._advance(self._parens(self.pos + 2, 0))
+                continue
             if ch in _METACHARS:
                 if ch == "(" and self.pos > start and _ASSIGNMENT.fullmatch(text, start, self.pos):  # NAME=( ... )
                     self._advance(self._parens(self.pos + 1, 0))
