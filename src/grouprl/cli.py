@@ -379,6 +379,13 @@ def _describe_episode(cfg) -> list[str]:
     )
     lines.append(f"reward: {comps}{judges}{' (streamed per group)' if cfg.reward.streaming else ''}")
     lines += describe_rewards(cfg)
+    from grouprl.rewards.composite import describe_components
+    from grouprl.rewards.probe import probe_rewards
+
+    if cfg.reward.streaming and any(reads is not None and "prompts" in reads for _, _, reads in describe_components(cfg.reward)):
+        lines.append("TRL-style rewards are called once per group as each finishes (reward.streaming); "
+                     "reward.streaming=false calls them once per batch, as TRL does")  # fmt: skip
+    lines += probe_rewards(cfg)  # each reward called once on a row: one that cannot run is the error line
     for m in cfg.reward.models:  # each in the reward-model worker, on its own device
         what = f"{m.kind} {m.path or m.base_url or '(built-in)'} on {m.device}, batches of {m.batch_size}"
         lines.append(f"reward model {m.name}: {what}" + (f", scores {m.images_from}'s images" if m.images_from else ""))
@@ -423,9 +430,12 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     from grouprl.trainer.memory import devices_for, model_shape, plan_memory, refusal, settle_for_devices
     from grouprl.trainer.models import config_without_weights
 
+    offline = _hub_offline(cfg.model.path)
     try:
         config = config_without_weights(cfg.model)
     except (ModelLoadError, OSError, ValueError) as e:
+        if offline:
+            return [f"memory plan: not made, the hub is not reachable from here and {cfg.model.path}'s config is not in its cache"], True, cfg
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return [f"memory plan: not made, model.path's config.json could not be read ({first})"], True, cfg
     shape = model_shape(cfg.model, config)
@@ -447,6 +457,38 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     if not plan.fits:
         lines.append(refusal(plan, cfg, shape))
     return lines, plan.fits or cfg.trainer.memory_check != "refuse", cfg
+
+
+def _hub_offline(path: str) -> bool:
+    """A hub id (not a folder, not built in) on a machine that cannot reach the hub: the hub's
+    client is told to read its cache only (it would retry for about 25 s otherwise)."""
+    import socket
+
+    if path.startswith("builtin:") or Path(path).expanduser().exists() or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return os.environ.get("HF_HUB_OFFLINE") == "1"
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+    reached: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=2).close()
+            reached.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
+    probe.start()
+    probe.join(3)
+    if reached:
+        return False
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import huggingface_hub.constants as hub_constants
+
+        hub_constants.HF_HUB_OFFLINE = True  # read at import: set it where it was read
+    except ImportError:  # pragma: no cover
+        pass
+    return True
 
 
 def cmd_train(args) -> int:

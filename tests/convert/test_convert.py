@@ -281,7 +281,7 @@ def test_a_hydra_file_is_read_onto_verls_defaults_and_the_command_line_wins(tmp_
     assert "actor_rollout_ref.actor.optim.lr_base=3.0e-06: nothing in grouprl reads it" in report
     # verl's meaning: the tower trains unless frozen with verl's key; no correction when rollout_is is null
     assert cfg.model.freeze_vision_tower is True and cfg.algorithm.rollout_is == "off"
-    assert "algorithm.rollout_correction.rollout_is=null  ->  algorithm.rollout_is=off" in report
+    assert "algorithm.rollout_correction.rollout_is=null  ->  algorithm.rollout_is='off'" in report
     monkeypatch.chdir(tmp_path / "examples")  # elsewhere: found above the script all the same
     assert main(["convert", str(script), "-o", str(out)]) == 0
     monkeypatch.chdir("/")

@@ -38,6 +38,10 @@ TRL_KEYS: dict[str, str] = {
     "max_steps": "trainer.total_steps (-1: 0, the epochs decide)",
     "per_device_train_batch_size": "data.train_batch_size x rollout.n_agent (completions a step, one process)",
     "gradient_accumulation_steps": "with per_device_train_batch_size: the completions a step",
+    "logging_steps": "metrics.jsonl has a line every step",
+    "push_to_hub": "the run folder holds the model (final/, in Hugging Face format); nothing is uploaded",
+    "bf16": "actor.dtype=auto takes bf16 where the device has it",
+    "remove_unused_columns": "every data column reaches a TRL-style reward",
     "entropy_coef": "actor.entropy_coef",
     "seed": "trainer.seed",
     "output_dir": "trainer.output_dir",
@@ -123,8 +127,8 @@ def trl_values(key: str, value: Any, given: dict[str, Any]) -> list[tuple[str, A
         if completions % n:
             raise ValueError(f"{value}: TRL needs the completions a step ({completions}) to be whole groups of num_generations={n}")
         return [("data.train_batch_size", completions // n)]
-    if key == "gradient_accumulation_steps":
-        return []  # read with per_device_train_batch_size
+    if key in ("gradient_accumulation_steps", "logging_steps", "push_to_hub", "bf16", "remove_unused_columns"):
+        return []  # read with another key, or nothing to set
     if key == "save_steps":
         return [("trainer.save_freq", int(value))]
     if key == "report_to":
