@@ -24,8 +24,8 @@ from grouprl.errors import ConfigError
 from .keys import check_structure, first_leaf, unknown_key
 from .reward import RewardConfig
 from .rules import validate
-from .tree import Config, all_keys, field_default, to_dict
 from .translate import is_source_key, show, translate
+from .tree import Config, all_keys, field_default, to_dict
 
 _logger = logging.getLogger(__name__)
 

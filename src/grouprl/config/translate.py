@@ -23,7 +23,16 @@ import yaml
 from grouprl.errors import ConfigError
 
 from .trl import TRL_DEFAULTS, TRL_KEYS, trl_values
-from .verl import GATE_DEFAULTS, GATES, NEAREST, NO_EFFECT, OVERLONG, VERL_DEFAULTS, VERL_KEYS, translate_value
+from .verl import (
+    GATE_DEFAULTS,
+    GATES,
+    NEAREST,
+    NO_EFFECT,
+    OVERLONG,
+    VERL_DEFAULTS,
+    VERL_KEYS,
+    translate_value,
+)
 
 GROUP_ESTIMATORS = "grpo, rloo or grpo_batch"
 

@@ -26,7 +26,21 @@ from pathlib import Path
 from .bash_arith import Arithmetic, ArithmeticProblem
 from .bash_expand import MARKS, SECRET_NAME, UNKNOWN, Expansions, plain, unknown
 from .bash_lex import (
-    AndOr, Arith, ArithFor, BashError, Case, For, Function, Group, If, Pipeline, Seq, Simple, Test, While, parse,
+    AndOr,
+    Arith,
+    ArithFor,
+    BashError,
+    Case,
+    For,
+    Function,
+    Group,
+    If,
+    Pipeline,
+    Seq,
+    Simple,
+    Test,
+    While,
+    parse,
     split_words,
 )  # fmt: skip
 

@@ -381,6 +381,6 @@ RULES: dict[str, Callable[..., float]] = {
     "contains_integer": contains_integer,
 }
 
-from .verl_scorers import SEARCH_R1_SOURCES, VERL_RULES, verl_default, verl_scorer  # noqa: E402  (they call RULES)
+from .verl_scorers import VERL_RULES  # noqa: E402  (verl_default calls RULES)
 
 RULES.update(VERL_RULES)

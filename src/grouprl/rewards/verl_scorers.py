@@ -278,8 +278,12 @@ def geo3k_accuracy(answer: str, truth: str) -> float:
         return float(given == wanted)  # unreduced fractions are not accepted
     if bool(integer.fullmatch(wanted)) != bool(integer.fullmatch(given)):
         return 0.0  # an integer truth wants an integer answer
+    irrational = [bool(re.search(r"sqrt|pi", x)) for x in (answer, truth)]
+    decimal = ["." in x for x in (answer, truth)]
+    if (decimal[0] and irrational[1]) or (decimal[1] and irrational[0]):
+        return 0.0  # sympy: a decimal is never exactly an irrational number
     a, b = _numeric(answer), _numeric(truth)
-    return float(a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
+    return float(a is not None and b is not None and math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12))
 
 
 def geo3k(response: str, ground_truth: Any = None, **kwargs) -> float:
