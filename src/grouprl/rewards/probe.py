@@ -52,7 +52,7 @@ def probe_rewards(cfg) -> list[str]:
                 arguments = {**_batch_arguments([context]), **component.kwargs}
                 arguments.update(trl_extras(component.fn, TrainerState(), {}, {}))
                 value = _settled(component.fn(**arguments))
-                value = _one_of(value, c.name)
+                value = _one_of(value, f"{c.name} ({spec})")
             else:
                 value = _settled(component.fn(**component.arguments(context)))
         except ConfigError:
