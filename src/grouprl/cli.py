@@ -277,11 +277,14 @@ def _describe_update(cfg) -> list[str]:
     b, n = cfg.data.train_batch_size, cfg.rollout.n_agent
     mini = cfg.actor.mini_batch_size or b
     mini_samples = mini * n
-    accum = -(-mini_samples // cfg.actor.micro_batch_size)
+    t = cfg.trainer  # the ranks the plan is for: the cluster it names, else the launcher's
+    world = t.nnodes * t.n_gpus_per_node if t.n_gpus_per_node else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    accum = -(-(-(-mini_samples // world)) // cfg.actor.micro_batch_size)  # each rank holds its share of a mini-batch
+    ranks = f" on each of the {world} ranks ({-(-mini_samples // world)} samples each)" if world > 1 else ""
     micro = (
         f"micro-batches: <= {cfg.actor.micro_batch_tokens} tokens each (dynamic), groups split when needed"
         if cfg.actor.micro_batch_tokens
-        else f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch"
+        else f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch{ranks}"
     )
     lines = [
         f"batch: {b} prompts x {n} samples = {b * n} trajectories per step",
@@ -495,7 +498,9 @@ def cmd_train(args) -> int:
     from grouprl.config import explain
 
     if args.explain:
-        print("\n".join(explain()))
+        from grouprl.config.docs import explain_key
+
+        print("\n".join(explain() if args.explain is True else explain_key(args.explain)))
         return 0
     cfg = _load(args.items)
     if args.dry_run:
@@ -569,7 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("items", nargs="*", help="an optional YAML file, then dotted overrides")
     train.add_argument("--dry-run", action="store_true", help="validate and print the plan; load nothing")
     train.add_argument(
-        "--explain", action="store_true", help="list every setting with its default and meaning"
+        "--explain", nargs="?", const=True, metavar="KEY",
+        help="list every setting with its default and meaning; with KEY (grouprl's, verl's or TRL's name) that one: "
+        "its default, its verl and TRL names and the checks that name it"
     )
     train.set_defaults(func=cmd_train)
     ev = sub.add_parser("eval", help="evaluate a model on the held-out split (greedy)")
