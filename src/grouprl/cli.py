@@ -279,8 +279,9 @@ def _describe_update(cfg) -> list[str]:
     mini_samples = mini * n
     t = cfg.trainer  # the ranks the plan is for: the cluster it names, else the launcher's
     world = t.nnodes * t.n_gpus_per_node if t.n_gpus_per_node else int(os.environ.get("WORLD_SIZE", "1") or 1)
-    accum = -(-(-(-mini_samples // world)) // cfg.actor.micro_batch_size)  # each rank holds its share of a mini-batch
-    ranks = f" on each of the {world} ranks ({-(-mini_samples // world)} samples each)" if world > 1 else ""
+    share = -(-mini_samples // world)  # each rank holds its part of a mini-batch
+    accum = -(-share // cfg.actor.micro_batch_size)
+    ranks = f" on each of the {world} ranks ({share} samples each)" if world > 1 else ""
     micro = (
         f"micro-batches: <= {cfg.actor.micro_batch_tokens} tokens each (dynamic), groups split when needed"
         if cfg.actor.micro_batch_tokens
