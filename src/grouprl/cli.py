@@ -431,10 +431,11 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     config with its device-dependent `auto` settings made concrete (as the run would); a model
     config that cannot be read without loading is said in a line (and counts as fitting)."""
     from grouprl.errors import ModelLoadError
+    from grouprl.hub import hub_offline
     from grouprl.trainer.memory import devices_for, model_shape, plan_memory, refusal, settle_for_devices
     from grouprl.trainer.models import config_without_weights
 
-    offline = _hub_offline(cfg.model.path)
+    offline = hub_offline(cfg.model.path)
     try:
         config = config_without_weights(cfg.model)
     except (ModelLoadError, OSError, ValueError) as e:
@@ -461,38 +462,6 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     if not plan.fits:
         lines.append(refusal(plan, cfg, shape))
     return lines, plan.fits or cfg.trainer.memory_check != "refuse", cfg
-
-
-def _hub_offline(path: str) -> bool:
-    """A hub id (not a folder, not built in) on a machine that cannot reach the hub: the hub's
-    client is told to read its cache only (it would retry for about 25 s otherwise)."""
-    import socket
-
-    if path.startswith("builtin:") or Path(path).expanduser().exists() or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return os.environ.get("HF_HUB_OFFLINE") == "1"
-    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
-    reached: list[bool] = []
-
-    def connect() -> None:
-        try:
-            socket.create_connection((host, 443), timeout=2).close()
-            reached.append(True)
-        except OSError:
-            pass
-
-    probe = threading.Thread(target=connect, daemon=True)  # a name lookup has no timeout of its own
-    probe.start()
-    probe.join(3)
-    if reached:
-        return False
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        import huggingface_hub.constants as hub_constants
-
-        hub_constants.HF_HUB_OFFLINE = True  # read at import: set it where it was read
-    except ImportError:  # pragma: no cover
-        pass
-    return True
 
 
 def cmd_train(args) -> int:

@@ -91,7 +91,7 @@ def test_the_script_converts_with_every_key_reported_and_verls_meaning_kept(tmp_
     assert "actor_rollout_ref.model.use_remove_padding=true: grouprl's passes carry no padding" in report
     assert "algorithm.kl_ctrl.kl_coef=0.5: algorithm.use_kl_in_reward is false (verl's gate): algorithm.kl_coef=0" in report
     assert "trainer.experiment_name=run-$(git rev-parse --short HEAD): its value needs what only bash knows" in report
-    assert "actor_rollout_ref.actor.optim.lr_warmup_step=10: did you mean actor_rollout_ref.actor.optim.lr_warmup_steps?" in report
+    assert "actor_rollout_ref.actor.optim.lr_warmup_step=10: did you mean actor_rollout_ref.actor.optim.lr_warmup_steps (actor.optim.warmup_steps)?" in report
     assert "note: reward: gsm8k (verl's default scorer for data_source openai/gsm8k)" in report
 
     cfg = load_config(out)  # a complete config: every setting written, and valid
@@ -361,8 +361,8 @@ def test_hints_name_only_close_keys_that_exist_and_errors_name_keys():
     assert hint("actor_rollout_ref.actor.optim.clip_grad").startswith("nothing in grouprl reads it")
     assert hint("trainer.balance_batch").startswith("nothing in grouprl reads it")
     assert hint("actor_rollout_ref.rollout.over_sample_rate").startswith("nothing in grouprl reads it")
-    assert hint("actor_rollout_ref.actor.clip_ratio_lowz") == "did you mean actor_rollout_ref.actor.clip_ratio_low?"
-    assert hint("actor_rollout_ref.actor.loss_mode_agg") == "did you mean actor_rollout_ref.actor.loss_agg_mode?"
+    assert hint("actor_rollout_ref.actor.clip_ratio_lowz") == "did you mean actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?"
+    assert hint("actor_rollout_ref.actor.loss_mode_agg") == "did you mean actor_rollout_ref.actor.loss_agg_mode (actor.loss_agg_mode)?"
     assert not any("no effect: no effect" in row for row in mapping_table())
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["model.path=x", "reward_model.made_up=1"])

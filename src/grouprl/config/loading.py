@@ -242,7 +242,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _, report = translate(source, named_ours=named, grouprl_keys=grouprl_keys, tree=tree)
         if report.not_taken:
             listed = "; ".join(f"{k}={show(v)} ({why})" for k, v, why in report.not_taken)
-            raise ConfigError(f"{len(report.not_taken)} override(s) not taken: {listed}")
+            raise ConfigError(f"{len(report.not_taken)} {report.source} override(s) not taken: {listed}")
         if report.overlong is not None:  # DAPO's overlong buffer: one more reward component
             reward = tree.setdefault("reward", {})
             components = reward.get("components") or to_dict(field_default(RewardConfig, "components"))

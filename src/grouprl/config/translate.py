@@ -372,7 +372,8 @@ def hint(key: str) -> str:
 
     near = [n for n in siblings if close(n)]
     if near:
-        return f"did you mean {near[0]}?"
+        target = VERL_KEYS.get(near[0])
+        return f"did you mean {near[0]}{f' ({target})' if target and target != near[0] else ''}?"
     return "nothing in grouprl reads it (README, Coming from verl or TRL: the names grouprl reads)"
 
 

@@ -18,26 +18,26 @@ from typing import Any
 from grouprl.config import judge_name, model_name
 from grouprl.errors import ConfigError
 
-PLACEHOLDER = "42"  # the completion where a row has no ground truth
+PLACEHOLDER = "42"  # the completion where the row has no ground truth
 
 
 def probe_rewards(cfg) -> list[str]:
     """One line per reward called (its value), or ConfigError naming the reward and what failed."""
     from grouprl.data import load_samples
-    from grouprl.data.sample import Sample
+    from grouprl.errors import UserError
     from grouprl.rewards.composite import RewardComponent, _context
     from grouprl.rewards.loader import load_reward_function
     from grouprl.rewards.trl_batch import TrainerState, _batch_arguments, trl_extras
     from grouprl.rollout.trajectory import Trajectory
 
     files = [f for f in cfg.data.train_files if Path(f).is_file()]
-    if files:
-        samples = load_samples(files[:1], max_samples=1)
-        where = f"row 1 of {files[0]}"
-    else:
-        samples = [Sample(uid="probe", messages=[{"role": "user", "content": "What is 6 x 7?"}], ground_truth=PLACEHOLDER)]
-        where = "a sample prompt (no data file here)"
-    sample = samples[0]
+    if not files:
+        return [f"rewards: not called ({'the training data is not on this machine' if cfg.data.train_files else 'no data file: the built-in task'})"]
+    try:
+        sample = load_samples(files[:1], max_samples=1)[0]
+    except (UserError, IndexError) as e:  # the data's own problem: the data line says it
+        return [f"rewards: not called (the first row of {files[0]} is not a sample here: {str(e)[:120]})"]
+    where = f"row 1 of {files[0]}"
     completion = PLACEHOLDER if sample.ground_truth is None else str(sample.ground_truth)
     trajectory = Trajectory(sample=sample, index=0, prompt_ids=[0], response_text=completion, response_ids=[0] * len(completion))
     context = _context(trajectory)
