@@ -367,3 +367,20 @@ def test_hints_name_only_close_keys_that_exist_and_errors_name_keys():
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["model.path=x", "reward_model.made_up=1"])
     assert "grouprl.config" not in str(caught.value) and "reward_model.made_up" in str(caught.value)
+
+
+def test_a_gate_whose_value_only_bash_knows_decides_nothing(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "max_len=$(((prompt + response) / sp_size))  # sp_size is set later: bash divides by zero here\n"
+        "sp_size=4\n"
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=2 "
+        "actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$max_len\n"
+    )
+    items, notes = arguments(script)
+    assert any("division by zero (kept as written)" in n for n in notes)
+    tree, report = convert(items)
+    assert ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "$(((prompt + response) / sp_size))") in [
+        (k, v) for k, v, _ in report.not_taken
+    ]
+    assert tree["actor"]["micro_batch_tokens"] == 0  # verl's default: nothing unknown written

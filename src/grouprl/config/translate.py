@@ -163,9 +163,15 @@ class _Translation:
         for gate, (behind, ours) in GATES.items():
             if gate not in self.given and behind not in self.given:
                 continue
-            opened = truthy(self.given.pop(gate, GATE_DEFAULTS[gate]))
+            gate_value = self.given.pop(gate, GATE_DEFAULTS[gate])
             named = behind in self.given
             value = self.given.pop(behind, GATE_DEFAULTS[behind])
+            unknown = [(k, v) for k, v in ((gate, gate_value), (behind, value)) if _only_bash_knows(v)]
+            if unknown:  # what only bash knows decides nothing
+                for key, v in unknown:
+                    self.report.not_taken.append((key, _plain(v), ONLY_BASH))
+                continue
+            opened = truthy(gate_value)
             if opened:
                 if named or ours not in named_ours:
                     self.put(ours, value)
@@ -201,9 +207,8 @@ class _Translation:
         text = str(value)
         if "\ue002" in text or "${" in text and re.search(r"\$\{[A-Z0-9_]*(TOKEN|KEY|SECRET|PASSWORD)", text, re.I):
             report.not_taken.append((key, _plain(value), "holds a secret's reference, never written out: set it by hand"))
-        elif "\ue000" in text or "$(" in text or "`" in text or "<(" in text or re.search(r"\$\{?[0-9A-Za-z_]", text):
-            report.not_taken.append((key, _plain(value), "its value needs what only bash knows (an unset variable, an "
-                                                         "argument, a command's output): set it by hand"))  # fmt: skip
+        elif _only_bash_knows(value):
+            report.not_taken.append((key, _plain(value), ONLY_BASH))
         elif key in VERL_KEYS:
             self.translate_verl(key, value)
         elif key in TRL_KEYS:
@@ -375,6 +380,14 @@ def hint(key: str) -> str:
         target = VERL_KEYS.get(near[0])
         return f"did you mean {near[0]}{f' ({target})' if target and target != near[0] else ''}?"
     return "nothing in grouprl reads it (README, Coming from verl or TRL: the names grouprl reads)"
+
+
+ONLY_BASH = "its value needs what only bash knows (an unset variable, an argument, a command's output): set it by hand"
+
+
+def _only_bash_knows(value: Any) -> bool:
+    text = str(value)
+    return "\ue000" in text or "$(" in text or "`" in text or "<(" in text or re.search(r"\$\{?[0-9A-Za-z_]", text) is not None
 
 
 def _plain(value: Any) -> Any:

@@ -193,6 +193,11 @@ NO_EFFECT: dict[str, str] = {
     "data.dataloader_num_workers": "prompts are read in the trainer's process",
     "data.val_batch_size": "held-out prompts are generated in the engine's batches",
     "actor_rollout_ref.hybrid_engine": "vLLM is colocated with each rank anyway",
+    "actor_rollout_ref.ref.use_torch_compile": "grouprl does not compile the model (torch.compile)",
+    "actor_rollout_ref.ref.strategy": "FSDP2 over several ranks",
+    "actor_rollout_ref.ref.entropy_checkpointing": "the reference computes no entropy",
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": "the reference computes no entropy",
+    "trainer.balance_batch": "each rank takes whole groups; the micro-batch planner balances tokens within a rank",
 }
 
 # DAPO's overlong buffer, in either spelling: one overlong_penalty reward component
