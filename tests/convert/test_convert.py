@@ -359,7 +359,7 @@ def test_hints_name_only_close_keys_that_exist_and_errors_name_keys():
     from grouprl.convert import mapping_table
 
     assert hint("actor_rollout_ref.actor.optim.clip_grad").startswith("nothing in grouprl reads it")
-    assert hint("trainer.balance_batch").startswith("nothing in grouprl reads it")
+    assert hint("trainer.val_only").startswith("nothing in grouprl reads it")  # not trainer.val_before_train
     assert hint("actor_rollout_ref.rollout.over_sample_rate").startswith("nothing in grouprl reads it")
     assert hint("actor_rollout_ref.actor.clip_ratio_lowz") == "did you mean actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?"
     assert hint("actor_rollout_ref.actor.loss_mode_agg") == "did you mean actor_rollout_ref.actor.loss_agg_mode (actor.loss_agg_mode)?"
