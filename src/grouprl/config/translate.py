@@ -22,6 +22,7 @@ import yaml
 
 from grouprl.errors import ConfigError
 
+from .overrides import apply_override
 from .trl import TRL_DEFAULTS, TRL_KEYS, trl_values
 from .verl import (
     GATE_DEFAULTS,
@@ -84,6 +85,13 @@ def parse_items(items: list[str]) -> dict[str, Any]:
     return given
 
 
+def is_verl_only(item: str) -> bool:
+    """A `key=value` override whose key is verl's (or TRL's) name and not also grouprl's."""
+    from .tree import all_keys
+
+    return is_source_key(item.partition("=")[0], all_keys())
+
+
 def is_source_key(key: str, grouprl_keys: set[str]) -> bool:
     """A key that is verl's or TRL's name and not also grouprl's."""
     key = key.strip().lstrip("+")
@@ -95,13 +103,13 @@ def is_source_key(key: str, grouprl_keys: set[str]) -> bool:
 
 
 def translate(items: list[str], *, defaults: bool = False, named_ours: set[str] = frozenset(),
-              grouprl_keys: set[str] = frozenset(), tree: dict | None = None) -> tuple[dict, Report]:  # fmt: skip
+              grouprl_keys: set[str] = frozenset(), tree: dict | None = None, check=None) -> tuple[dict, Report]:  # fmt: skip
     """The grouprl tree and the report for verl / TRL `items`. `named_ours`: grouprl keys set
     by other overrides (an open gate then leaves them be); `grouprl_keys`: every grouprl key (an
-    item already in grouprl's names passes through)."""
-    from .loading import apply_override
-
+    item already in grouprl's names passes through); `check`: builds the config from a tree (with
+    `defaults`: a translated value the config refuses goes back to the default, reported)."""
     t = _Translation(parse_items(items), apply_override, grouprl_keys)
+    t.check = check
     if tree is not None:  # written into an existing tree (a config file's, with its overrides)
         t.tree = tree
     trl = any(k in TRL_KEYS for k in t.given) and not any("." in k for k in t.given if k not in grouprl_keys)
@@ -119,7 +127,8 @@ def translate(items: list[str], *, defaults: bool = False, named_ours: set[str] 
         t.translate(key, value)
     if defaults:
         t.defaults(TRL_DEFAULTS if trl else VERL_DEFAULTS)
-        t.drop_invalid()
+        if check is not None:
+            t.drop_invalid()
     return t.tree, t.report
 
 
@@ -290,12 +299,10 @@ class _Translation:
     def drop_invalid(self) -> None:
         """A translated value grouprl's setting refuses (e.g. a KL type it does not have) is moved to
         'not taken', its setting back at the default, until the config is valid."""
-        from .loading import from_dict
-
         produced = {ours: (key, value) for key, value, ours, _ in self.report.translated if "." in str(ours)}
         for _ in range(len(produced) + 1):
             try:
-                from_dict(copy.deepcopy(self.tree))
+                self.check(copy.deepcopy(self.tree))
                 return
             except ConfigError as e:
                 found = re.search(r"config key '([^']+)'", str(e))

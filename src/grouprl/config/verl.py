@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tree import all_keys
-
 VERL_KEYS: dict[str, str] = {
     "data.train_batch_size": "data.train_batch_size",
     "data.max_prompt_length": "data.max_prompt_length",
@@ -288,11 +286,3 @@ def translate_value(key: str, value: Any) -> Any:
     """`value` of verl key `key` as grouprl's setting takes it (ValueError: untranslatable)."""
     fn = VALUES.get(key)
     return fn(value) if fn is not None else value
-
-
-
-def is_verl_only(item: str) -> bool:
-    """A `key=value` override whose key is verl's (or TRL's) name and not also grouprl's."""
-    from .translate import is_source_key
-
-    return is_source_key(item.partition("=")[0], all_keys())

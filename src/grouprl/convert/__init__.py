@@ -80,7 +80,7 @@ def arguments(path: str | Path) -> tuple[list[str], list[str]]:
 def convert(items: list[str], data_sources: list[str] | None = None, notes: list[str] = ()) -> tuple[dict, Report]:
     """The grouprl config tree for verl `items` (key=value) and the report. `data_sources`: the
     training data's data_source values (to choose verl's default scorer), where known."""
-    tree, report = translate(items, defaults=True, grouprl_keys=all_keys())
+    tree, report = translate(items, defaults=True, grouprl_keys=all_keys(), check=from_dict)
     report.notes[:0] = list(notes)
     if report.source == "verl":
         choose_reward(tree, report, data_sources)

@@ -16,13 +16,13 @@ from pathlib import Path
 from .bash_arith import Arithmetic, ArithmeticProblem
 from .bash_expand import MARKS, plain
 from .bash_lex import BashError, parse
-from .bash_run import GPUS, Shell, _Break, _Exit, _Return, normalise, os_user
+from .bash_state import GPUS, _Break, _Exit, _Return, normalise, os_user
 
 MAX_SOURCE_BYTES = 1 << 20
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 
 
-def _echo(shell: Shell, argv: list[str]) -> int:
+def _echo(shell, argv: list[str]) -> int:
     args, newline, escapes = argv[1:], True, False
     while args and re.fullmatch(r"-[neE]+", plain(args[0])):
         newline = newline and "n" not in args[0]
@@ -35,7 +35,7 @@ def _echo(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _printf(shell: Shell, argv: list[str]) -> int:
+def _printf(shell, argv: list[str]) -> int:
     args = argv[1:]
     target = None
     if len(args) >= 2 and args[0] == "-v":
@@ -78,7 +78,7 @@ def _convert(conversion: str, value: str) -> str:
     return conversion % value
 
 
-def _cd(shell: Shell, argv: list[str]) -> int:
+def _cd(shell, argv: list[str]) -> int:
     args = [a for a in argv[1:] if a not in ("--", "-P", "-L")]
     target = plain(args[0]) if args else (shell.get("HOME") or "/")
     shell.cwd = normalise(shell.cwd, target)
@@ -86,19 +86,19 @@ def _cd(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _shift(shell: Shell, argv: list[str]) -> int:
+def _shift(shell, argv: list[str]) -> int:
     n = int(plain(argv[1])) if len(argv) > 1 and plain(argv[1]).isdigit() else 1
     shell.positional = shell.positional[n:]
     return 0
 
 
-def _set(shell: Shell, argv: list[str]) -> int:
+def _set(shell, argv: list[str]) -> int:
     if "--" in argv:
         shell.positional = argv[argv.index("--") + 1 :]
     return 0
 
 
-def _unset(shell: Shell, argv: list[str]) -> int:
+def _unset(shell, argv: list[str]) -> int:
     functions = "-f" in argv
     for name in argv[1:]:
         if not name.startswith("-"):
@@ -107,7 +107,7 @@ def _unset(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _source(shell: Shell, argv: list[str]) -> int:
+def _source(shell, argv: list[str]) -> int:
     if len(argv) < 2:
         return 1
     name = plain(argv[1])
@@ -130,7 +130,7 @@ def _source(shell: Shell, argv: list[str]) -> int:
         shell.depth -= 1
 
 
-def _eval(shell: Shell, argv: list[str]) -> int:
+def _eval(shell, argv: list[str]) -> int:
     text = " ".join(argv[1:])
     if MARKS.search(text):
         shell.note(f"eval {plain(text)[:60]}: holds what only bash would know (not run)")
@@ -142,45 +142,45 @@ def _eval(shell: Shell, argv: list[str]) -> int:
         shell.depth -= 1
 
 
-def _exit(shell: Shell, argv: list[str]) -> int:
+def _exit(shell, argv: list[str]) -> int:
     shell.status = int(plain(argv[1])) if len(argv) > 1 and plain(argv[1]).isdigit() else shell.status
     raise _Exit()
 
 
-def _return(shell: Shell, argv: list[str]) -> int:
+def _return(shell, argv: list[str]) -> int:
     shell.status = int(plain(argv[1])) if len(argv) > 1 and plain(argv[1]).isdigit() else shell.status
     raise _Return()
 
 
 def _break(again: bool):
-    def run(shell: Shell, argv: list[str]) -> int:
+    def run(shell, argv: list[str]) -> int:
         raise _Break(int(plain(argv[1])) if len(argv) > 1 and plain(argv[1]).isdigit() else 1, again)
 
     return run
 
 
-def _read(shell: Shell, argv: list[str]) -> int:
+def _read(shell, argv: list[str]) -> int:
     for name in argv[1:]:
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             shell.variables[name] = f"\ue000$({' '.join(plain(a) for a in argv)})\ue001"
     return 1  # nothing to read: a `while read` loop ends
 
 
-def _let(shell: Shell, argv: list[str]) -> int:
+def _let(shell, argv: list[str]) -> int:
     value = 0
     for expression in argv[1:]:
         value = shell.arith(expression)
     return int(value == 0)
 
 
-def _test(shell: Shell, argv: list[str]) -> int:
+def _test(shell, argv: list[str]) -> int:
     from .bash_test import evaluate
 
     args = argv[1:-1] if plain(argv[0]) == "[" and argv[-1] == "]" else argv[1:]
     return int(not evaluate(shell, args, double=False))
 
 
-def _wrapper(shell: Shell, argv: list[str]) -> int:
+def _wrapper(shell, argv: list[str]) -> int:
     """exec, command, builtin, nohup, time, env A=B, nice, stdbuf, timeout N: the command they run."""
     rest = argv[1:]
     while rest and (plain(rest[0]).startswith("-") or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", plain(rest[0]), re.S)
@@ -191,7 +191,7 @@ def _wrapper(shell: Shell, argv: list[str]) -> int:
     return shell.command(rest) if rest else 0
 
 
-def _pwd(shell: Shell, argv: list[str]) -> int:
+def _pwd(shell, argv: list[str]) -> int:
     shell.write(shell.cwd + "\n")
     return 0
 
@@ -199,7 +199,7 @@ def _pwd(shell: Shell, argv: list[str]) -> int:
 ABSENT_ON_GPU_MACHINE = {"npu-smi", "rocm-smi", "hl-smi", "xpu-smi", "cnmon"}
 
 
-def _which(shell: Shell, argv: list[str]) -> int:
+def _which(shell, argv: list[str]) -> int:
     found = 0
     for name in argv[1:]:
         if plain(name) in ABSENT_ON_GPU_MACHINE:
@@ -220,11 +220,11 @@ BUILTINS = {
 
 
 # ----------------------------------------------------------------------------- probes and tools
-def _probe(shell: Shell, what: str, answer: str) -> None:
+def _probe(shell, what: str, answer: str) -> None:
     shell.note(f"`{what}` answered as on a GPU machine with {GPUS} GPUs: {answer}")
 
 
-def _python(shell: Shell, argv: list[str]) -> int:
+def _python(shell, argv: list[str]) -> int:
     code = next((plain(argv[i + 1]) for i, a in enumerate(argv[:-1]) if plain(a) == "-c"), None)
     if code is None:
         shell.note(f"{' '.join(plain(a) for a in argv)[:80]}: not run")
@@ -250,7 +250,7 @@ def _python(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _nvidia_smi(shell: Shell, argv: list[str]) -> int:
+def _nvidia_smi(shell, argv: list[str]) -> int:
     args = [plain(a) for a in argv[1:]]
     if "-L" in args or "--list-gpus" in args:
         _probe(shell, "nvidia-smi -L", f"{GPUS} GPUs")
@@ -271,14 +271,14 @@ def _nvidia_smi(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _date(shell: Shell, argv: list[str]) -> int:
+def _date(shell, argv: list[str]) -> int:
     form = next((plain(a)[1:] for a in argv[1:] if plain(a).startswith("+")), "%a %b %d %H:%M:%S UTC %Y")
     shell.note(f"`date` answered with this machine's clock: {time.strftime(form.replace('%N', '000000000'))}")
     shell.write(time.strftime(form.replace("%N", "000000000")) + "\n")
     return 0
 
 
-def _lines_tool(shell: Shell, argv: list[str]) -> int:
+def _lines_tool(shell, argv: list[str]) -> int:
     """wc, head, tail, cut, tr, cat, sort, uniq over what was piped in (None: unknown)."""
     name, args, text = plain(argv[0]), [plain(a) for a in argv[1:]], shell.stdin
     if text is None or any(not a.startswith("-") and name in ("wc", "head", "tail", "cat", "sort", "uniq") for a in args):
@@ -316,7 +316,7 @@ def _lines_tool(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _path_tool(shell: Shell, argv: list[str]) -> int:
+def _path_tool(shell, argv: list[str]) -> int:
     name, args = plain(argv[0]), [plain(a) for a in argv[1:] if not plain(a).startswith("-")]
     if not args:
         shell.write(None)
@@ -332,7 +332,7 @@ def _path_tool(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _seq(shell: Shell, argv: list[str]) -> int:
+def _seq(shell, argv: list[str]) -> int:
     try:
         numbers = [int(plain(a)) for a in argv[1:]]
     except ValueError:
@@ -347,7 +347,7 @@ def _seq(shell: Shell, argv: list[str]) -> int:
     return 0
 
 
-def _expr(shell: Shell, argv: list[str]) -> int:
+def _expr(shell, argv: list[str]) -> int:
     text = " ".join(plain(a) for a in argv[1:]).replace("\\*", "*")
     try:
         value = Arithmetic(text, shell._arith_get, shell.set_var).value()
@@ -359,7 +359,7 @@ def _expr(shell: Shell, argv: list[str]) -> int:
 
 
 def _fixed(answer: str, what: str):
-    def run(shell: Shell, argv: list[str]) -> int:
+    def run(shell, argv: list[str]) -> int:
         value = answer() if callable(answer) else answer
         shell.note(f"`{plain(argv[0])}` answered as {what}: {value}")
         shell.write(value + "\n")
@@ -368,14 +368,14 @@ def _fixed(answer: str, what: str):
     return run
 
 
-def _hostname(shell: Shell, argv: list[str]) -> int:
+def _hostname(shell, argv: list[str]) -> int:
     address = any(plain(a) in ("-I", "-i", "--ip-address", "--all-ip-addresses") for a in argv[1:])
     shell.note(f"`hostname` answered as this machine: {'127.0.0.1' if address else 'localhost'}")
     shell.write(("127.0.0.1" if address else "localhost") + "\n")
     return 0
 
 
-def _absent(shell: Shell, argv: list[str]) -> int:
+def _absent(shell, argv: list[str]) -> int:
     shell.note(f"`{plain(argv[0])}` answered as on a GPU machine: not found (status 127)")
     return 127
 
@@ -389,7 +389,7 @@ TOOLS = {
 }  # fmt: skip
 
 
-def external(shell: Shell, argv: list[str]) -> int:
+def external(shell, argv: list[str]) -> int:
     """A command that is not a builtin or function: answered if it is a probe or a text tool,
     else not run (its output unknown)."""
     name = plain(argv[0])

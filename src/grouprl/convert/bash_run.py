@@ -17,13 +17,12 @@ Bounded: at most MAX_STEPS commands and MAX_CALLS nested calls (functions, `$(..
 
 from __future__ import annotations
 
-import os
-import posixpath
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bash_arith import Arithmetic, ArithmeticProblem
+from .bash_builtins import BUILTINS, external
 from .bash_expand import MARKS, SECRET_NAME, UNKNOWN, Expansions, plain, unknown
 from .bash_lex import (
     AndOr,
@@ -43,10 +42,9 @@ from .bash_lex import (
     parse,
     split_words,
 )  # fmt: skip
+from .bash_state import MAX_CALLS, MAX_STEPS, _Break, _Exit, _Return, _Undecided
+from .bash_test import evaluate
 
-MAX_STEPS = 100_000
-MAX_CALLS = 60
-GPUS = 8  # the machine probes are answered for
 # the trainer's entry point, as a word of the command: `-m verl.trainer.main_ppo`, DAPO's
 # `recipe.dapo.main_dapo`, a `main_ppo.py` script
 ENTRY_POINTS = re.compile(r"(^|[./])main_(ppo|dapo|grpo|ppo_split)(\.py)?$")
@@ -54,23 +52,6 @@ DECLARATIONS = ("export", "declare", "typeset", "local", "readonly")
 _ASSIGN_ARG = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[[^\]]*\])?(\+?)=(.*)", re.S)
 _IGNORED = {"set", "shopt", "ulimit", "umask", "trap", "wait", "alias", "unalias", "hash", "true", ":", "getopts",
             "disown", "enable", "history", "bind", "complete", "sleep", "sync", "clear"}  # fmt: skip
-
-
-class _Exit(Exception):
-    pass
-
-
-class _Return(Exception):
-    pass
-
-
-class _Break(Exception):
-    def __init__(self, levels: int, again: bool):
-        self.levels, self.again = levels, again
-
-
-class _Undecided(Exception):
-    """A condition reads a value only bash would know."""
 
 
 @dataclass
@@ -305,8 +286,6 @@ class Shell(Expansions):
 
     def run_test(self, node: Test) -> int:
         self.line = node.line
-        from .bash_test import evaluate
-
         return int(not evaluate(self, node.words, double=True))
 
     # ------------------------------------------------------------------ simple commands
@@ -331,8 +310,6 @@ class Shell(Expansions):
             return 0
         if name in self.functions:
             return self.call(self.functions[name], argv[1:])
-        from .bash_builtins import BUILTINS, external
-
         if name in BUILTINS:
             return BUILTINS[name](self, argv)
         if name in _IGNORED:
@@ -428,11 +405,3 @@ def run_script(text: str, env: dict[str, str], script: Path | None, cwd: str, ar
     except RecursionError:  # pragma: no cover - the caps above come first
         raise BashError("the script nests too deeply to read") from None
     return shell
-
-
-def os_user() -> str:
-    return os.environ.get("USER", "user")
-
-
-def normalise(cwd: str, path: str) -> str:
-    return posixpath.normpath(path if path.startswith("/") else posixpath.join(cwd, path))

@@ -8,6 +8,8 @@ import os
 import re
 
 from .bash_expand import MARKS, plain
+from .bash_lex import BashError
+from .bash_state import _Undecided
 
 _UNARY = {"-z", "-n", "-f", "-d", "-e", "-x", "-r", "-w", "-s", "-L", "-h", "-v", "-a"}
 _BINARY = {"==", "=", "!=", "=~", "<", ">", "-eq", "-ne", "-lt", "-le", "-gt", "-ge", "-nt", "-ot", "-ef"}
@@ -29,8 +31,6 @@ class _Test:
             return False
         result = self.disjunction()
         if self.i < len(self.words):
-            from .bash_lex import BashError
-
             raise BashError(f"line {self.shell.line}: a test has more than it reads: {' '.join(self.words[self.i:])[:80]}")
         return result
 
@@ -62,9 +62,7 @@ class _Test:
             self.take()
             self.depth += 1
             if self.depth > 100:
-                from .bash_lex import BashError
-
-                raise BashError(f"line {self.shell.line}: a test nested too deeply")
+                    raise BashError(f"line {self.shell.line}: a test nested too deeply")
             result = not self.negation()
             self.depth -= 1
             return result
@@ -73,8 +71,6 @@ class _Test:
     def operand(self, raw: str) -> str:
         value = self.shell.string(raw) if self.double else raw
         if MARKS.search(value):
-            from .bash_run import _Undecided
-
             raise _Undecided(plain(value)[:80])
         return value
 
@@ -84,9 +80,7 @@ class _Test:
             self.take()
             self.depth += 1
             if self.depth > 100:
-                from .bash_lex import BashError
-
-                raise BashError(f"line {self.shell.line}: a test nested too deeply")
+                    raise BashError(f"line {self.shell.line}: a test nested too deeply")
             result = self.disjunction()
             self.depth -= 1
             if self.peek() == ")":
@@ -138,7 +132,5 @@ class _Test:
             try:
                 return _NUMBERS[op](int(left.strip() or 0), int(right.strip() or 0))
             except ValueError:
-                from .bash_lex import BashError
-
-                raise BashError(f"line {self.shell.line}: {op} compares numbers, got {left!r} and {right!r}") from None
+                    raise BashError(f"line {self.shell.line}: {op} compares numbers, got {left!r} and {right!r}") from None
         return False  # -nt, -ot, -ef: file times, not looked at

@@ -60,7 +60,9 @@ def convert_trl(path: Path, out: Path) -> tuple[dict, Report, list[str]]:
     model = _keyword(trainer, "model", 0, assigned) if trainer else None
     if isinstance(model, str):
         items.append(f"model.path={show(model)}")
-    result, report = translate(items, defaults=True, grouprl_keys=all_keys())
+    from grouprl.config import from_dict
+
+    result, report = translate(items, defaults=True, grouprl_keys=all_keys(), check=from_dict)
     report.source = "TRL"
     report.not_taken += [(k, v, "computed in the script: set it by hand") for k, v in computed]
     if model is _COMPUTED or (trainer is not None and model is None):

@@ -1,7 +1,7 @@
 r"""verl's default scorers (`verl.utils.reward_score.default_compute_score`), chosen by a
 sample's `data_source` as verl chooses them, with verl's values:
 
-- `openai/gsm8k`: `gsm8k` (rules.py): the last `#### n` of the last 300 characters, 1 or 0.
+- `openai/gsm8k`: `gsm8k`: the last `#### n` of the last 300 characters, 1 or 0.
 - `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`:
   `math_verl`: the last `\boxed{}` (or `\boxed x`), equal to the truth after the Hendrycks MATH
   normalisation (fractions, square roots, units, `0.5` as `\frac{1}{2}`, `a/b`), 1 or 0.
@@ -13,7 +13,7 @@ sample's `data_source` as verl chooses them, with verl's values:
   same normalisation and rules (an integer truth wants an integer answer, unreduced fractions
   must match as written), then a numeric comparison of `\frac`, `\sqrt`, `\pi` and arithmetic in
   place of sympy's symbolic one: answers with letters are compared as text only.
-- `searchR1_*` (and the plain names nq, triviaqa, ...): `search_em` (rules.py): the last
+- `searchR1_*` (and the plain names nq, triviaqa, ...): `search_em`: the last
   `<answer>` equal, normalised, to a target: 1; a quarter when the response holds more than 10
   `<answer>` or `</answer>` tags; else 0.
 """
@@ -43,6 +43,53 @@ def verl_scorer(data_source: str) -> str | None:
     if data_source.startswith("searchR1_") or data_source in SEARCH_R1_SOURCES:
         return "search_em"
     return None
+
+
+_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def gsm8k(response: str, ground_truth: Any = None, **kwargs) -> float:
+    r"""verl's default scorer for `openai/gsm8k` (strict): the last `#### <number>` in the
+    response's last 300 characters, commas and dollar signs removed, equal to the ground truth
+    as text: 1.0, else 0.0.
+
+    >>> gsm8k("so 3 + 4 = 7\n#### 7", "7")
+    1.0
+    >>> gsm8k("#### 1,234", "1234")
+    1.0
+    >>> gsm8k("the answer is 7", "7")
+    0.0
+    """
+    found = _GSM8K_ANSWER.findall(response[-300:])
+    return 1.0 if found and found[-1].replace(",", "").replace("$", "") == str(ground_truth) else 0.0
+
+
+def _qa_text(text: str) -> str:
+    """Search-R1's answer normalisation: lower case, punctuation and articles removed, spaces collapsed."""
+    import string
+
+    text = "".join(ch for ch in str(text).lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def search_em(response: str, ground_truth: Any = None, **kwargs) -> float:
+    """verl's search-R1 scorer (exact match): the last `<answer>` equal, normalised, to one of
+    the ground truth's `target` answers (a dict {"target": [...]}, a list, or one string); a
+    quarter of that when the response holds more than 10 `<answer>` or `</answer>` tags.
+
+    >>> search_em("<answer>The Eiffel Tower</answer>", {"target": ["eiffel tower", "tour eiffel"]})
+    1.0
+    >>> search_em("<answer>Paris</answer>", {"target": ["eiffel tower"]})
+    0.0
+    """
+    matches = re.findall(r"<answer>(.*?)</answer>", response, re.DOTALL)
+    if not matches:
+        return 0.0
+    targets = ground_truth.get("target", []) if isinstance(ground_truth, dict) else ground_truth
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    if _qa_text(matches[-1].strip()) not in {_qa_text(t) for t in targets}:
+        return 0.0
+    return 0.25 if response.count("<answer>") > 10 or response.count("</answer>") > 10 else 1.0  # verl's cap on tag spam
 
 
 # ----------------------------------------------------------------------------- MATH (Hendrycks)
@@ -299,13 +346,12 @@ def geo3k(response: str, ground_truth: Any = None, **kwargs) -> float:
 
 def verl_default(response: str, ground_truth: Any = None, *, sample: Any = None, **kwargs) -> float:
     """verl's default scorer, chosen per sample by its `data_source` (see `verl_scorer`)."""
-    from .rules import RULES
-
     source = getattr(sample, "data_source", "") or ""
     name = verl_scorer(source)
     if name is None:
         raise ValueError(f"no verl default scorer for data_source {source!r}: set a reward for it")
-    return RULES[name](response, ground_truth)
+    return VERL_RULES[name](response, ground_truth)
 
 
-VERL_RULES = {"math_verl": math_verl, "math_dapo": math_dapo, "geo3k": geo3k, "verl_default": verl_default}
+VERL_RULES = {"gsm8k": gsm8k, "math_verl": math_verl, "math_dapo": math_dapo, "geo3k": geo3k, "search_em": search_em,
+              "verl_default": verl_default}  # fmt: skip
