@@ -384,3 +384,13 @@ def test_a_gate_whose_value_only_bash_knows_decides_nothing(tmp_path):
         (k, v) for k, v, _ in report.not_taken
     ]
     assert tree["actor"]["micro_batch_tokens"] == 0  # verl's default: nothing unknown written
+
+
+def test_the_plans_accumulation_count_is_each_ranks(capsys):
+    common = ["data.train_batch_size=64", "rollout.n_agent=8", "actor.mini_batch_size=32", "actor.micro_batch_size=4",
+              "actor.micro_batch_tokens=0", "model.path=builtin:smollm2-135m-instruct"]  # fmt: skip
+    main(["train", *common, "--dry-run"])
+    assert "micro-batches: 4 samples -> 64 accumulation step(s) per mini-batch" in capsys.readouterr().out  # 256 samples, one rank
+    main(["train", *common, "trainer.n_gpus_per_node=8", "trainer.gpu_memory_gb=80", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "micro-batches: 4 samples -> 8 accumulation step(s) per mini-batch on each of the 8 ranks (32 samples each)" in out

@@ -133,3 +133,17 @@ def test_the_dry_run_calls_each_reward_once_and_one_that_cannot_run_is_one_line(
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "reward r (" in err
     assert any(part in err for part in said.split("|")), err
+
+
+def test_a_dry_run_says_how_often_a_trl_reward_is_called_and_its_value(tmp_path, capsys):
+    (tmp_path / "rw.py").write_text("def r(completions, solution, **kw):\n    return [float(c == s) for c, s in zip(completions, solution)]\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2?", "solution": "4"}) + "\n")
+    common = [f"data.train_files=[{data}]", f"reward.components=[{{name: r, function: {tmp_path}/rw.py:r}}]", "reward.val_metric=r",
+              "model.path=builtin:smollm2-135m-instruct"]  # fmt: skip
+    assert main(["train", *common, "--dry-run"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert f"reward r: called once on row 1 of {data}, '4' as the completion: 1.0" in out  # the truth scores 1
+    assert "TRL-style rewards are called once per group as each finishes (reward.streaming)" in out
+    assert main(["train", *common, "reward.streaming=false", "--dry-run"]) in (0, 1)
+    assert "once per group" not in capsys.readouterr().out
