@@ -431,13 +431,13 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     config with its device-dependent `auto` settings made concrete (as the run would); a model
     config that cannot be read without loading is said in a line (and counts as fitting)."""
     from grouprl.errors import ModelLoadError
-    from grouprl.hub import hub_offline
+    from grouprl.hub import cache_only_when_offline
     from grouprl.trainer.memory import devices_for, model_shape, plan_memory, refusal, settle_for_devices
     from grouprl.trainer.models import config_without_weights
 
-    offline = hub_offline(cfg.model.path)
     try:
-        config = config_without_weights(cfg.model)
+        with cache_only_when_offline(cfg.model.path) as offline:
+            config = config_without_weights(cfg.model)
     except (ModelLoadError, OSError, ValueError) as e:
         if offline:
             return [f"memory plan: not made, the hub is not reachable from here and {cfg.model.path}'s config is not in its cache"], True, cfg

@@ -147,3 +147,17 @@ def test_a_dry_run_says_how_often_a_trl_reward_is_called_and_its_value(tmp_path,
     assert "TRL-style rewards are called once per group as each finishes (reward.streaming)" in out
     assert main(["train", *common, "reward.streaming=false", "--dry-run"]) in (0, 1)
     assert "once per group" not in capsys.readouterr().out
+
+
+def test_an_offline_dry_run_reads_the_hubs_cache_only(capsys, monkeypatch):
+    import os
+
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: unreachable at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = hub_constants.HF_HUB_OFFLINE
+    assert main(["train", "model.path=no-such-org/no-such-model", "--dry-run"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "memory plan: not made, the hub is not reachable from here and no-such-org/no-such-model's config is not in its cache" in out
+    assert "HF_HUB_OFFLINE" not in os.environ and hub_constants.HF_HUB_OFFLINE == before  # as it was, afterwards
