@@ -161,3 +161,33 @@ def test_an_offline_dry_run_reads_the_hubs_cache_only(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "memory plan: not made, the hub is not reachable from here and no-such-org/no-such-model's config is not in its cache" in out
     assert "HF_HUB_OFFLINE" not in os.environ and hub_constants.HF_HUB_OFFLINE == before  # as it was, afterwards
+
+
+TRL_LOGGING = '''
+def steps(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A TRL-style reward that reads the step and logs a metric and a column."""
+    log_metric("step_seen", float(trainer_state.global_step))
+    log_extra("length", [len(c) for c in completions])
+    return [float(len(c) % 2) for c in completions]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_run_logs_what_a_trl_reward_logs(tmp_path, streaming):
+    """Two steps of a tiny model: log_metric's value in metrics.jsonl each step (its mean over the
+    step), log_extra's column in each trajectory's rollouts.jsonl record, trainer_state's step."""
+    from trainer.tiny import tiny_model_dir, write_run_config
+
+    from helpers import train_here
+
+    (tmp_path / "trl_rw.py").write_text(TRL_LOGGING)
+    config = write_run_config(tmp_path, tiny_model_dir(tmp_path / "model"))
+    train_here(config, "trainer.total_steps=2", "data.val_files=[]", "actor.dtype=float32", "reward.val_metric=steps",
+               f"reward.components=[{{name: steps, function: {tmp_path}/trl_rw.py:steps}}]", f"reward.streaming={streaming}")  # fmt: skip
+    run = tmp_path / "runs" / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "actor/pg_loss" in line]
+    # TRL's global_step: the optimizer steps done before the batch was generated
+    assert [m["reward/logged/step_seen"] for m in metrics] == [float(m["step"] - 1) for m in metrics] and len(metrics) == 2
+    records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 4 and all(r["extra"]["length"] == len(r["response"]) for r in records)
