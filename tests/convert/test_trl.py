@@ -177,9 +177,8 @@ def steps(completions, trainer_state, log_metric, log_extra, **kwargs):
 def test_a_run_logs_what_a_trl_reward_logs(tmp_path, streaming):
     """Two steps of a tiny model: log_metric's value in metrics.jsonl each step (its mean over the
     step), log_extra's column in each trajectory's rollouts.jsonl record, trainer_state's step."""
-    from trainer.tiny import tiny_model_dir, write_run_config
-
     from helpers import train_here
+    from trainer.tiny import tiny_model_dir, write_run_config
 
     (tmp_path / "trl_rw.py").write_text(TRL_LOGGING)
     config = write_run_config(tmp_path, tiny_model_dir(tmp_path / "model"))
