@@ -183,7 +183,7 @@ def test_dry_run_imports_each_reward_and_checks_what_it_reads(capsys, tmp_path, 
 def test_explain_lists_settings(capsys, no_model_load):
     code, out, _ = run(capsys, "train", "--explain")
     assert code == 0
-    assert "actor.optim.lr = 1e-06  # Peak learning rate (verl: actor.optim.lr)." in out
+    assert "actor.optim.lr = 1e-06  # Peak learning rate. (verl: actor_rollout_ref.actor.optim.lr; TRL: learning_rate)" in out
     assert "rollout.n_agent = 8  # Samples per prompt" in out
     assert "reward.components[].function = ''" in out
 
@@ -362,14 +362,15 @@ def test_an_index_into_a_recipe_list_from_the_command_line(capsys, no_model_load
 
 
 def test_a_mistyped_verl_key_from_the_command_line(capsys, no_model_load):
-    assert one_line_error(capsys, "train", "--dry-run", "actor_rollout_ref.actor.clip_ratio_lowz=3e-4") == (
+    verl = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4")
+    assert one_line_error(capsys, "train", "--dry-run", *verl, "actor_rollout_ref.actor.clip_ratio_lowz=3e-4") == (
         "1 verl override(s) not taken: actor_rollout_ref.actor.clip_ratio_lowz=3e-4 (did you mean "
-        "actor_rollout_ref.actor.clip_ratio_low?)"
+        "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?)"
     )
-    # with a config file the override is read as the file's own keys are
+    # with a config file: the same translator, the same line
     assert one_line_error(capsys, "train", "--dry-run", "src/grouprl/configs/default.yaml", "actor_rollout_ref.actor.clip_ratio_lowz=3e-4") == (
-        "unknown config key 'actor_rollout_ref.actor.clip_ratio_lowz'; did you mean "
-        "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?"
+        "1 verl override(s) not taken: actor_rollout_ref.actor.clip_ratio_lowz=3e-4 (did you mean "
+        "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?)"
     )
 
 

@@ -286,6 +286,7 @@ def test_verl_keys_translate():
             "+actor_rollout_ref.rollout.n_agent=5",  # hydra's "+" prefix
             "actor_rollout_ref.actor.optim.lr=1e-6",
             "algorithm.kl_ctrl.kl_coef=0.001",
+            "algorithm.use_kl_in_reward=True",  # verl's gate: without it kl_coef has no effect (as in verl)
             "data.max_response_length=64",
             "trainer.total_training_steps=7",
             "actor_rollout_ref.model.lora_rank=8",
@@ -420,8 +421,8 @@ def test_an_index_past_the_end_or_in_the_wrong_place_is_one_line(override, expec
     [
         (
             "actor_rollout_ref.actor.clip_ratio_lowz=3e-4",
-            "unknown config key 'actor_rollout_ref.actor.clip_ratio_lowz'; did you mean "
-            "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?",
+            "1 verl override(s) not taken: actor_rollout_ref.actor.clip_ratio_lowz=3e-4 (did you mean "
+            "actor_rollout_ref.actor.clip_ratio_low (actor.clip_low)?)",
         ),
         (
             "algorithm.kl_ctrl.kl_coeff=0.1",
@@ -430,8 +431,8 @@ def test_an_index_past_the_end_or_in_the_wrong_place_is_one_line(override, expec
         ("data.shufle=false", "unknown config key 'data.shufle'; did you mean data.shuffle (data.sampler)?"),
         (
             "actor_rollout_ref.ref.fsdp_config.whatever=1",
-            "unknown config key 'actor_rollout_ref.ref.fsdp_config.whatever': not a verl name grouprl translates "
-            "(see grouprl.config.VERL_KEYS)",
+            "1 verl override(s) not taken: actor_rollout_ref.ref.fsdp_config.whatever=1 (nothing in grouprl reads it "
+            "(README, Coming from verl or TRL: the names grouprl reads))",
         ),
     ],
 )

@@ -2,7 +2,7 @@ import doctest
 
 import pytest
 
-from grouprl.rewards import BUILTIN, retrieval, rules
+from grouprl.rewards import BUILTIN, retrieval, rules, verl_scorers
 from grouprl.rewards.rules import (
     contains_integer,
     correctness,
@@ -33,7 +33,10 @@ def test_builtin_registry_names_every_rule_and_retrieval_metric():
         "gsm8k": rules.gsm8k,
         "boxed": rules.boxed,
         "search_em": rules.search_em,
-        "verl_default": rules.verl_default,
+        "verl_default": verl_scorers.verl_default,
+        "math_verl": verl_scorers.math_verl,
+        "math_dapo": verl_scorers.math_dapo,
+        "geo3k": verl_scorers.geo3k,
         "agent_format": retrieval.agent_format,
         "ndcg": retrieval.ndcg,
         "recall": retrieval.recall,

@@ -95,7 +95,7 @@ def test_trl_rewards_score_as_written_once_a_group(tmp_path, trl_file, conversat
     assert [c for c in calls if c[0] == "len"] == [("len", 2)] * 3  # one call a group
     # what else TRL would pass: the prompts, token ids, and the dataset's other columns
     assert [c for c in calls if c[0] == "accuracy"][0] == (
-        "accuracy", ["completion_ids", "data_source", "ground_truth", "level", "prompts"]
+        "accuracy", ["completion_ids", "data_source", "ground_truth", "level", "log_extra", "log_metric", "prompts", "trainer_state"]
     )
     report = composite.failure_report()
     assert report["component:acc"].failures == 0 and report["component:acc"].calls == 3  # one call a group

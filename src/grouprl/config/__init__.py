@@ -17,8 +17,9 @@ from .actor import ActorConfig, AlgorithmConfig, OptimConfig
 from .curriculum import CurriculumConfig
 from .data import DataConfig
 from .docs import explain, field_docs
-from .loading import _coerce, apply_override, from_dict, load_config
+from .loading import _coerce, from_dict, load_config
 from .model import LoraConfig, ModelConfig
+from .overrides import apply_override
 from .reward import (
     JUDGE_PREFIX,
     MODEL_PREFIX,
@@ -34,6 +35,7 @@ from .rollout import DEVICE, AgentConfig, AgentRetrieverConfig, RolloutConfig
 from .rules import validate
 from .sft import REPLY_FIELD, SFT_TASKS, SFTConfig
 from .trainer import TrainerConfig
+from .translate import is_verl_only
 from .tree import Config, to_dict
 from .verl import (
     GATE_DEFAULTS,
@@ -43,7 +45,6 @@ from .verl import (
     VALUES,
     VERL_DEFAULTS,
     VERL_KEYS,
-    is_verl_only,
     translate_value,
 )
 

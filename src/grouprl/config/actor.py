@@ -13,13 +13,13 @@ from grouprl.errors import need, one_of
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo, rloo, grpo_batch (verl: algorithm.adv_estimator)."""
+    """Advantage estimator: grpo, rloo, grpo_batch."""
     norm_adv_by_std: bool = True
     """Divide by the group std (False = Dr. GRPO)."""
     adv_epsilon: float = 1e-6
     """Added to the std before dividing."""
     kl_coef: float = 0.0
-    """KL penalty subtracted from the reward (verl: algorithm.kl_ctrl.kl_coef); loads a reference."""
+    """KL penalty subtracted from the reward; loads a reference."""
     kl_penalty: str = "k1"
     """KL estimator for the reward penalty: k1, abs, k2, k3."""
     ref_refresh_steps: int = 0
@@ -29,9 +29,9 @@ class AlgorithmConfig:
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"
     """truncate: weight the loss by min(ratio, rollout_is_cap) (TIS); mask: tokens or sequences whose ratio leaves [rollout_is_lower, rollout_is_cap] leave the loss and its denominator, the rest are weighted by their ratio."""
     rollout_is_cap: float = 2.0
-    """Upper bound of the importance ratio: the cap (truncate) or the upper edge kept (mask) (verl: rollout_is_threshold)."""
+    """Upper bound of the importance ratio: the cap (truncate) or the upper edge kept (mask)."""
     rollout_is_lower: float = 0.0
-    """mask mode: the lower edge kept; 0 = 1 / rollout_is_cap (verl: rollout_rs_threshold_lower)."""
+    """mask mode: the lower edge kept; 0 = 1 / rollout_is_cap."""
     mismatch_threshold: float = 0.1
     """Engine-vs-trainer log-prob difference above which a token counts in rollout/mismatch_above_threshold."""
 
@@ -59,7 +59,7 @@ class AlgorithmConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
-    """Peak learning rate (verl: actor.optim.lr)."""
+    """Peak learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -67,9 +67,9 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     warmup_steps: int = 0
-    """Linear warm-up steps (verl: lr_warmup_steps); wins over warmup_ratio when > 0."""
+    """Linear warm-up steps; wins over warmup_ratio when > 0."""
     warmup_ratio: float = 0.0
-    """Warm-up as a fraction of total steps (verl: lr_warmup_steps_ratio)."""
+    """Warm-up as a fraction of total steps."""
     scheduler: Literal["constant", "cosine", "linear"] = "constant"
     """Schedule after warm-up."""
     min_lr_ratio: float = 0.0
@@ -90,35 +90,35 @@ class OptimConfig:
 @dataclass
 class ActorConfig:
     policy_loss: str = "gspo"
-    """Policy loss: gspo, ppo (verl's vanilla), cispo (clipped, detached importance weights; every token keeps its gradient), sapo (a smooth gate for the clip: sapo_tau_pos / sapo_tau_neg) or gmpo (geometric-mean ratio per sequence, clip_low / clip_high in log space; verl's geo_mean) (verl: actor.policy_loss.loss_mode)."""
+    """Policy loss: gspo, ppo (verl's vanilla), cispo (clipped, detached importance weights; every token keeps its gradient), sapo (a smooth gate for the clip: sapo_tau_pos / sapo_tau_neg) or gmpo (geometric-mean ratio per sequence, clip_low / clip_high in log space; verl's geo_mean)."""
     clip_low: float = 3e-4
-    """Lower clip: ratio >= 1 - clip_low (verl: actor.clip_ratio_low)."""
+    """Lower clip: ratio >= 1 - clip_low."""
     clip_high: float = 4e-4
-    """Upper clip: ratio <= 1 + clip_high (verl: actor.clip_ratio_high)."""
+    """Upper clip: ratio <= 1 + clip_high."""
     dual_clip: float | None = 3.0
-    """PPO dual-clip bound for negative advantages (None = off; verl: clip_ratio_c)."""
+    """PPO dual-clip bound for negative advantages (None = off)."""
     sapo_tau_pos: float = 1.0
-    """policy_loss=sapo: the gate's temperature for positive advantages (verl: actor.tau_pos)."""
+    """policy_loss=sapo: the gate's temperature for positive advantages."""
     sapo_tau_neg: float = 1.05
-    """policy_loss=sapo: the gate's temperature for negative advantages (verl: actor.tau_neg)."""
+    """policy_loss=sapo: the gate's temperature for negative advantages."""
     loss_agg_mode: str = "seq-mean-token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     loss_scale_factor: int = 0
     """seq-mean-token-sum-norm: the constant the token sum is divided by; 0 = the configured response length (rollout.max_response_length; for agents agent.max_response_tokens, else agent.max_turns x rollout.max_response_length)."""
     ppo_epochs: int = 1
-    """Passes over each step's batch (verl: actor.ppo_epochs)."""
+    """Passes over each step's batch."""
     mini_batch_size: int = 0
-    """Prompts per optimizer step (verl: ppo_mini_batch_size); 0 = the whole batch, one step."""
+    """Prompts per optimizer step; 0 = the whole batch, one step."""
     micro_batch_size: int = 8
     """Samples per forward/backward (gradient accumulation inside a mini-batch)."""
     micro_batch_tokens: int | Literal["auto"] = "auto"
     """Token budget per forward/backward instead of a sample count (dynamic batch size, verl's ppo_max_token_len_per_gpu; 0 = off: micro_batch_size rows). auto: on CUDA 16384 tokens (at least the longest sequence), on a CPU off."""
     kl_loss_coef: float = 0.0
-    """KL-to-reference loss weight (verl: actor.kl_loss_coef); loads a reference when > 0."""
+    """KL-to-reference loss weight; loads a reference when > 0."""
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1, abs, k2, k3."""
     entropy_coef: float = 0.0
-    """Entropy bonus weight (verl: actor.entropy_coeff)."""
+    """Entropy bonus weight."""
     shared_prefix: bool = True
     """Run each group's shared prompt once in forward/backward and reuse its KV cache."""
     shared_opening: bool = True

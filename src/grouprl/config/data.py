@@ -23,13 +23,13 @@ class DataConfig:
     task_seed: int = 0
     """Seed of the built-in task generator (the held-out split uses a disjoint stream)."""
     train_batch_size: int = 4
-    """Prompts per step, before replication by rollout.n_agent (verl: data.train_batch_size)."""
+    """Prompts per step, before replication by rollout.n_agent."""
     max_prompt_length: int = 512
     """Prompts longer than this many tokens are handled by `prompt_overflow`."""
     prompt_overflow: Literal["skip", "truncate"] = "skip"
     """What to do with an over-long prompt: skip the sample, or keep its last tokens."""
     sampler: Literal["random", "sequential", "curriculum"] = "random"
-    """Order of prompts: shuffled every epoch (seeded), file order (verl: shuffle=False), or the online `curriculum`."""
+    """Order of prompts: shuffled every epoch (seeded), file order, or the online `curriculum`."""
     system_prompt: str | None = None
     """System message prepended to every prompt (a built-in task supplies its own)."""
     few_shot: bool = True

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import types
 import typing
 from pathlib import Path
@@ -22,9 +21,11 @@ import yaml
 from grouprl.errors import ConfigError
 
 from .keys import check_structure, first_leaf, unknown_key
+from .overrides import apply_override
+from .reward import RewardConfig
 from .rules import validate
-from .tree import Config, field_default, to_dict
-from .verl import GATE_DEFAULTS, GATES, NEAREST, NO_EFFECT, VERL_KEYS, translate_value
+from .translate import is_source_key, show, translate
+from .tree import Config, all_keys, field_default, to_dict
 
 _logger = logging.getLogger(__name__)
 
@@ -129,106 +130,6 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-# ----------------------------------------------------------------------------- overrides
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def _translate_verl_key(key: str, value: Any) -> tuple[str, Any]:
-    key = key.lstrip("+")
-    if key in VERL_KEYS:
-        try:
-            return VERL_KEYS[key], translate_value(key, value)
-        except ValueError as e:
-            raise ConfigError(f"verl key '{key}'={e}") from None
-    return key, value
-
-
-_KEY_PART = re.compile(r"([^\[\]]*)((?:\[\d+\])*)")
-
-
-def _key_tokens(key: str) -> list[str | int]:
-    """`reward.judges[0].model` -> ["reward", "judges", 0, "model"]. A bare number between dots
-    (`reward.judges.0.model`) stays a string here: it is an index only where the key so far
-    is a list."""
-    tokens: list[str | int] = []
-    for part in key.split("."):
-        match = _KEY_PART.fullmatch(part)
-        if match is None or not any(match.groups()):
-            raise ConfigError(
-                f"override key '{key}' is malformed: write section.key, and a list entry by its "
-                "number (reward.judges[0].model)"
-            )
-        if match.group(1):
-            tokens.append(match.group(1))
-        tokens += [int(n) for n in re.findall(r"\d+", match.group(2))]
-    return tokens
-
-
-def _dotted(tokens: list[str | int]) -> str:
-    """The tokens as a key again: reward.judges[0].model."""
-    return "".join(f"[{t}]" if isinstance(t, int) else f".{t}" for t in tokens).lstrip(".")
-
-
-def apply_override(tree: dict[str, Any], dotted: str) -> None:
-    """Apply `section.key=value` to nested plain data (value parsed as YAML). A list of entries
-    is indexed as `reward.judges[0].model` or `reward.judges.0.model`: only an existing entry
-    (from the file, else the setting's default list), whose other fields stay."""
-    if "=" not in dotted:
-        raise ConfigError(f"override '{dotted}' must look like section.key=value")
-    key, text = dotted.split("=", 1)
-    if key.strip().lstrip("+") in NO_EFFECT:  # verl keys grouprl has no use for: said once, not refused
-        _logger.warning("verl key '%s' has no effect in grouprl: %s", key.strip().lstrip("+"), NO_EFFECT[key.strip().lstrip("+")])
-        return
-    if key.strip().lstrip("+") in GATES:
-        raise ConfigError(f"verl's gate '{key.strip()}' is read by load_config, after the other overrides")
-    if key.strip().lstrip("+") in NEAREST:
-        name = key.strip().lstrip("+")
-        raise ConfigError(f"verl key '{name}' has no grouprl setting; nearest: {NEAREST[name]} (grouprl convert reports every key of a script)")
-    key, value = _translate_verl_key(key.strip(), _parse_value(text))
-    tokens = _key_tokens(key)
-    node: Any = tree
-    tp: Any = Config  # the annotation of `node`; None inside a free-form mapping (kwargs, fields)
-    for i, token in enumerate(tokens):
-        above = _dotted(tokens[:i])
-        if isinstance(token, str) and token.isdigit() and isinstance(node, list):
-            token = tokens[i] = int(token)
-        if isinstance(token, int):
-            if not isinstance(node, list):
-                raise ConfigError(f"config key '{above}' is not a list; [{token}] indexes a list's entries")
-            if token >= len(node):
-                entries = f"{len(node)} entries" if len(node) != 1 else "1 entry"
-                raise ConfigError(
-                    f"config key '{_dotted(tokens[: i + 1])}': {above} has {entries}; an index names an "
-                    f"existing entry (to add one, set the whole list: {above}=[...])"
-                )
-            child_tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
-        elif not isinstance(node, dict) or not (
-            tp is None or tp is Any or typing.get_origin(tp) is dict or dataclasses.is_dataclass(tp)
-        ):
-            raise ConfigError(f"config key '{above}' is a value, not a section")
-        elif dataclasses.is_dataclass(tp):
-            hints = typing.get_type_hints(tp)
-            if token not in hints:
-                rest = _dotted(tokens)[len(_dotted(tokens[: i + 1])) :]  # what follows it: [0].model
-                raise unknown_key(f"{above}." if above else "", token, list(hints), rest)
-            child_tp = hints[token]
-        else:
-            child_tp = None
-        if i == len(tokens) - 1:
-            node[token] = value
-            return
-        child = node[token] if isinstance(token, int) else node.get(token)
-        if child is None:  # not in the file; a list starts as its default entries, for an index to find
-            listed = typing.get_origin(child_tp) is list and dataclasses.is_dataclass(tp)
-            child = node[token] = to_dict(field_default(tp, token)) if listed else {}
-        node, tp = child, child_tp
-
-
-
 # ----------------------------------------------------------------------------- files
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read YAML (if given), apply dotted overrides, type-check and validate."""
@@ -249,18 +150,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
         _files_beside(tree, p.resolve().parent)
-    gates = [item for item in overrides if item.partition("=")[0].strip().lstrip("+") in GATES]
-    rest = [item for item in overrides if item not in gates]
-    for item in rest:
+    grouprl_keys = all_keys()
+    source = [item for item in overrides if is_source_key(item.partition("=")[0], grouprl_keys)]
+    ours = [item for item in overrides if item not in source]
+    for item in ours:
         apply_override(tree, item)
-    named = {item.partition("=")[0].strip().lstrip("+") for item in rest}
-    for item in gates:  # verl's switches, after what they switch: closed, the setting is 0; open, as given or verl's
-        gate, _, text = item.partition("=")
-        behind, ours = GATES[gate.strip().lstrip("+")]
-        if str(_parse_value(text)).lower() in ("false", "0", "no"):
-            apply_override(tree, f"{ours}=0")
-        elif behind not in named and ours not in named:
-            apply_override(tree, f"{ours}={GATE_DEFAULTS[behind]}")
+    if source:  # verl's or TRL's names: the one translator, after grouprl's own overrides
+        named = {item.partition("=")[0].strip().lstrip("+") for item in ours}
+        _, report = translate(source, named_ours=named, grouprl_keys=grouprl_keys, tree=tree)
+        if report.not_taken:
+            listed = "; ".join(f"{k}={show(v)} ({why})" for k, v, why in report.not_taken)
+            raise ConfigError(f"{len(report.not_taken)} {report.source} override(s) not taken: {listed}")
+        if report.overlong is not None:  # DAPO's overlong buffer: one more reward component
+            reward = tree.setdefault("reward", {})
+            components = reward.get("components") or to_dict(field_default(RewardConfig, "components"))
+            reward["components"] = [*components, {"name": "overlong", "function": "overlong_penalty", "weight": 1.0,
+                                                  "kwargs": report.overlong}]  # fmt: skip
+        for key, _, why in report.no_effect:
+            _logger.warning("%s key '%s' has no effect in grouprl: %s", report.source, key, why)
     return from_dict(tree)
 
 

@@ -17,7 +17,7 @@ class RolloutConfig:
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine: hf = the built-in decode loop over the trainer's own model (CPU and GPU); vllm = vLLM in-process (extra `vllm`); auto = vLLM on CUDA where it is installed (and the policy is not bitsandbytes-quantised), else hf."""
     n_agent: int = 8
-    """Samples per prompt; one group per prompt (verl: actor_rollout_ref.rollout.n_agent)."""
+    """Samples per prompt; one group per prompt."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts."""
     top_k: int = 0
@@ -25,7 +25,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling (1.0 = off)."""
     max_response_length: int = 128
-    """Maximum generated tokens per response (verl: data.max_response_length)."""
+    """Maximum generated tokens per response."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation of a sample ends once its text contains one (kept in the output)."""
     ignore_eos: bool = False

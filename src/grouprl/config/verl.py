@@ -1,5 +1,5 @@
 """verl's (and VRAG's) names for grouprl's settings: the one translation table that `grouprl
-train`'s overrides, `grouprl convert` (convert.py) and README's mapping are made from.
+train`'s overrides, `grouprl convert` (the translator in translate.py) and README's mapping are made from.
 
 VERL_KEYS: a verl key -> the grouprl key it sets; VALUES: how its value becomes grouprl's;
 NO_EFFECT: verl keys grouprl has no use for, and why; GATES: verl's switches on another key;
@@ -10,8 +10,6 @@ does where a script is silent (ppo_trainer.yaml), as grouprl settings.
 from __future__ import annotations
 
 from typing import Any
-
-from .tree import all_keys
 
 VERL_KEYS: dict[str, str] = {
     "data.train_batch_size": "data.train_batch_size",
@@ -74,6 +72,7 @@ VERL_KEYS: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is": "algorithm.rollout_is",
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_is_cap",
     "algorithm.rollout_correction.rollout_rs_threshold_lower": "algorithm.rollout_is_lower",
+    "actor_rollout_ref.actor.freeze_vision_tower": "model.freeze_vision_tower",
     "trainer.save_freq": "trainer.save_freq",
     "trainer.test_freq": "trainer.test_freq",
     "trainer.resume_mode": "trainer.resume_mode",
@@ -118,6 +117,15 @@ def _engine(value: Any) -> str:
     raise ValueError(f"{value!r}: grouprl's engines are vllm and hf (its built-in one)")
 
 
+def _rollout_is(value: Any) -> str:
+    """verl's rollout_correction.rollout_is: null (none, verl's default), token or sequence."""
+    if value in (None, "", "null", "none", False):
+        return "off"
+    if value in ("token", "sequence", "geometric"):
+        return value
+    raise ValueError(f"{value!r}: grouprl weights by token, sequence or geometric ratios, or none (null)")
+
+
 def _loss_mode(value: Any) -> str:
     return "ppo" if value == "vanilla" else value
 
@@ -139,6 +147,7 @@ VALUES: dict[str, Any] = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": _loss_mode,
     "actor_rollout_ref.actor.policy_loss_mode": _loss_mode,
     "actor_rollout_ref.rollout.top_k": _top_k,
+    "algorithm.rollout_correction.rollout_is": _rollout_is,
     "actor_rollout_ref.actor.optim.lr_warmup_steps": _off_if_negative,  # -1: the ratio decides
 }
 
@@ -164,7 +173,7 @@ NO_EFFECT: dict[str, str] = {
     "data.prompt_key": "the verl layout's prompt column is read (prompt)",
     "data.image_key": "the verl layout's images column is read (images)",
     "data.return_raw_chat": "prompts are rendered with the policy's chat template anyway",
-    "actor_rollout_ref.actor.use_torch_compile": "no effect",
+    "actor_rollout_ref.actor.use_torch_compile": "grouprl does not compile the model (torch.compile)",
     "actor_rollout_ref.actor.strategy": "FSDP2 over several ranks",
     "reward_model.reward_manager": "rewards are reward.components (convert picks verl's default scorer)",
     "custom_reward_function.name": "rewards are reward.components (convert reports the file)",
@@ -182,7 +191,15 @@ NO_EFFECT: dict[str, str] = {
     "data.dataloader_num_workers": "prompts are read in the trainer's process",
     "data.val_batch_size": "held-out prompts are generated in the engine's batches",
     "actor_rollout_ref.hybrid_engine": "vLLM is colocated with each rank anyway",
+    "actor_rollout_ref.ref.use_torch_compile": "grouprl does not compile the model (torch.compile)",
+    "actor_rollout_ref.ref.strategy": "FSDP2 over several ranks",
+    "actor_rollout_ref.ref.entropy_checkpointing": "the reference computes no entropy",
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": "the reference computes no entropy",
+    "trainer.balance_batch": "each rank takes whole groups; the micro-batch planner balances tokens within a rank",
 }
+
+# DAPO's overlong buffer, in either spelling: one overlong_penalty reward component
+OVERLONG = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.")
 
 # keys whose meaning is a switch on another key's value (verl's gates): what the gate decides
 GATES: dict[str, tuple[str, str]] = {
@@ -210,7 +227,6 @@ NEAREST: dict[str, str] = {
     "critic.optim.lr": "none: no critic (group-relative advantages)",
     "actor_rollout_ref.rollout.val_kwargs.n": "evaluation samples one answer a prompt",
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "rollout.val_temperature (0 = greedy)",
-    "actor_rollout_ref.actor.clip_ratio": "actor.clip_low and actor.clip_high (set from it)",
     "reward_model.rm_url": "a reward.judges entry (its base_url)",
     "reward_model.rm_model": "a reward.judges entry (its model)",
     "actor_rollout_ref.rollout.multi_turn.tool_config_path": "agent.tools (search, crop) with agent.retriever.url: grouprl's agent protocol, not verl's tool calls",
@@ -228,7 +244,9 @@ VERL_DEFAULTS: dict[str, Any] = {
     "rollout.max_response_length": 512,
     "data.sampler": "random",
     "data.prompt_overflow": "skip",
-    "algorithm.adv_estimator": "grpo",  # verl's is gae (a critic); grouprl has none: the report says so
+    "algorithm.adv_estimator": "grpo",  # verl's is gae (a critic), refused: a script must name a group estimator
+    "algorithm.rollout_is": "off",  # verl corrects nothing unless rollout_correction asks
+    "model.freeze_vision_tower": False,  # verl trains a VLM's vision tower (actor.freeze_vision_tower)
     "algorithm.norm_adv_by_std": True,
     "algorithm.kl_coef": 0.0,
     "algorithm.kl_penalty": "kl",
@@ -268,14 +286,3 @@ def translate_value(key: str, value: Any) -> Any:
     """`value` of verl key `key` as grouprl's setting takes it (ValueError: untranslatable)."""
     fn = VALUES.get(key)
     return fn(value) if fn is not None else value
-
-
-
-def is_verl_only(item: str) -> bool:
-    """A `key=value` override whose key is verl's name and not also grouprl's."""
-    key = item.partition("=")[0].strip().lstrip("+")
-    if key in all_keys():
-        return False
-    return key in VERL_KEYS or key in NO_EFFECT or key in GATES or key in NEAREST or key.startswith(
-        ("actor_rollout_ref.", "reward_model.", "critic.", "custom_reward_function.")
-    )

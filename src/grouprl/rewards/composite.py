@@ -47,7 +47,7 @@ from grouprl.rewards.judges.base import JudgeResult
 from grouprl.rewards.judges.component import JudgeComponent
 from grouprl.rewards.judges.parsing import looks_like_verdict
 from grouprl.rewards.loader import load_reward_function
-from grouprl.rewards.trl_batch import _batch_arguments, is_batched
+from grouprl.rewards.trl_batch import TrainerState, _batch_arguments, is_batched, trl_extras
 from grouprl.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -250,6 +250,7 @@ class CompositeReward:
         self._tally: dict[str, JudgeTally] = {}  # judge name (or COMPONENT + name) -> calls since failure_report()
         self._in_row: dict[str, int] = {}  # a non-judge component's failed calls in a row (run-long)
         self._tally_lock = threading.Lock()  # streaming scores on its own thread
+        self.progress = TrainerState()  # where training is, for TRL-style rewards' trainer_state (the trainer sets it)
 
     @property
     def drops(self) -> bool:
@@ -363,6 +364,7 @@ class CompositeReward:
         values: list[list[Any]] = [[None] * len(self.components) for _ in trajectories]
         contexts = [_context(t) for t in trajectories]
         batched_calls: dict[str, list[str | None]] = {}  # a TRL-style component's calls: one a batch
+        logged: dict[str, list[float]] = {}  # log_metric's values in this call
         for stage in self._stages:
             pending: list[tuple[int, int, Awaitable[Any]]] = []
             batches: dict[int, list[int]] = {}  # TRL-style components: their trajectories, called once
@@ -387,8 +389,11 @@ class CompositeReward:
                         values[t][c] = result
             for c, rows in batches.items():
                 component = self.components[c]
+                extra: dict[str, list[Any]] = {}
                 try:
-                    result = component.fn(**_batch_arguments([contexts[t] for t in rows]), **component.kwargs)
+                    arguments = {**_batch_arguments([contexts[t] for t in rows]), **component.kwargs}
+                    arguments.update(trl_extras(component.fn, self.progress, extra, logged))
+                    result = component.fn(**arguments)
                     if inspect.isawaitable(result):
                         result = await result
                     batch_values = _per_completion(result, len(rows))
@@ -398,6 +403,9 @@ class CompositeReward:
                     batched_calls.setdefault(component.name, []).append(batch_values[0].message)
                 for t, value in zip(rows, batch_values):
                     values[t][c] = value
+                for column, logged_values in extra.items():  # log_extra: one value per completion of the call
+                    for t, value in zip(rows, logged_values):
+                        trajectories[t].extra[column] = value
             if pending:
                 results = await _gather([awaitable for _, _, awaitable in pending])
                 for (t, c, _), result in zip(pending, results):
@@ -406,7 +414,9 @@ class CompositeReward:
                         if isinstance(result, BaseException)
                         else result
                     )
-        return self._finish(trajectories, values, batched_calls)
+        metrics = self._finish(trajectories, values, batched_calls)
+        metrics.update({f"reward/logged/{name}": sum(v) / len(v) for name, v in logged.items() if v})
+        return metrics
 
     # -- steps -------------------------------------------------------------------------
     def _finish(

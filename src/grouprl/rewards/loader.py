@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,11 +31,26 @@ def load_reward_function(spec: str) -> Callable:
             raise ConfigError(f"reward {spec!r} names a file but no function: use {spec}:function_name")
         if spec in BUILTIN:
             return BUILTIN[spec]
+        if sep and re.fullmatch(r"[A-Za-z_][\w.]*", path_text) and function_name.isidentifier():
+            return _load_from_module(path_text, function_name, spec)
         raise ConfigError(
             f"unknown reward {spec!r}: built-in rewards are {', '.join(sorted(BUILTIN))}, "
-            "or give path/to/file.py:function"
+            "or give path/to/file.py:function or package.module:function"
         )
     return _load_from_file(Path(path_text), function_name.strip(), spec)
+
+
+def _load_from_module(module_name: str, function_name: str, spec: str) -> Callable:
+    """`package.module:function` (TRL's `trl.rewards:accuracy_reward`): imported, not read from a file."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # a missing package is the user's to install: one line
+        first_line = (str(e).splitlines() or [""])[0]
+        raise ConfigError(f"reward {spec!r}: cannot import {module_name}: {type(e).__name__}: {first_line}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ConfigError(f"reward {spec!r}: {module_name} has no function {function_name!r}")
+    return function
 
 
 def _load_from_file(path: Path, function_name: str, spec: str) -> Callable:

@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .verl_scorers import VERL_RULES, gsm8k, search_em  # noqa: F401  (gsm8k, search_em: named here too)
+
 # The content of one <answer> block that holds no further <answer> opening, so that
 # "<answer>a<answer>b</answer>" yields "b", not "a<answer>b".
 _ANSWER_BLOCK = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.S)
@@ -277,25 +279,6 @@ def overlong_penalty(
     return min(-exceed / buffer_len * penalty_factor, 0.0)
 
 
-_GSM8K_ANSWER = re.compile(r"#### (\-?[0-9\.\,]+)")
-
-
-def gsm8k(response: str, ground_truth: Any = None, **kwargs) -> float:
-    r"""verl's default scorer for `openai/gsm8k` (strict): the last `#### <number>` in the
-    response's last 300 characters, commas and dollar signs removed, equal to the ground truth
-    as text: 1.0, else 0.0.
-
-    >>> gsm8k("so 3 + 4 = 7\n#### 7", "7")
-    1.0
-    >>> gsm8k("#### 1,234", "1234")
-    1.0
-    >>> gsm8k("the answer is 7", "7")
-    0.0
-    """
-    found = _GSM8K_ANSWER.findall(response[-300:])
-    return 1.0 if found and found[-1].replace(",", "").replace("$", "") == str(ground_truth) else 0.0
-
-
 def last_boxed(text: str) -> str | None:
     r"""The content of the last `\boxed{...}` (braces balanced), or None.
 
@@ -341,61 +324,8 @@ def boxed(response: str, ground_truth: Any = None, **kwargs) -> float:
     return 1.0 if answer is not None and _math_text(answer) == _math_text(ground_truth) else 0.0
 
 
-def _qa_text(text: str) -> str:
-    """Search-R1's answer normalisation: lower case, punctuation and articles removed, spaces collapsed."""
-    import string
-
-    text = "".join(ch for ch in str(text).lower() if ch not in set(string.punctuation))
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
-
-
-def search_em(response: str, ground_truth: Any = None, **kwargs) -> float:
-    """verl's search-R1 scorer (exact match): the last `<answer>` equal, normalised, to one of
-    the ground truth's `target` answers (a dict {"target": [...]}, a list, or one string).
-
-    >>> search_em("<answer>The Eiffel Tower</answer>", {"target": ["eiffel tower", "tour eiffel"]})
-    1.0
-    >>> search_em("<answer>Paris</answer>", {"target": ["eiffel tower"]})
-    0.0
-    """
-    matches = re.findall(r"<answer>(.*?)</answer>", response, re.DOTALL)
-    if not matches:
-        return 0.0
-    targets = ground_truth.get("target", []) if isinstance(ground_truth, dict) else ground_truth
-    targets = [targets] if isinstance(targets, str) else list(targets or [])
-    return 1.0 if _qa_text(matches[-1].strip()) in {_qa_text(t) for t in targets} else 0.0
-
-
-# verl's default scorer by data_source (verl.utils.reward_score.default_compute_score), as grouprl's rules
-SEARCH_R1_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
-
-
-def verl_scorer(data_source: str) -> str | None:
-    """The built-in rule verl's default scorer uses for `data_source`, or None."""
-    if data_source == "openai/gsm8k":
-        return "gsm8k"
-    if data_source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo",
-                       "math", "math_dapo_reasoning", "hiyouga/geometry3k") or data_source.startswith("aime"):  # fmt: skip
-        return "boxed"
-    if data_source in SEARCH_R1_SOURCES or data_source.startswith("searchR1"):
-        return "search_em"
-    return None
-
-
-def verl_default(response: str, ground_truth: Any = None, *, sample: Any = None, **kwargs) -> float:
-    """verl's default scorer, chosen per sample by its `data_source` (see `verl_scorer`)."""
-    source = getattr(sample, "data_source", "") or ""
-    name = verl_scorer(source)
-    if name is None:
-        raise ValueError(f"no verl default scorer for data_source {source!r}: set a reward for it")
-    return RULES[name](response, ground_truth)
-
-
 RULES: dict[str, Callable[..., float]] = {
-    "gsm8k": gsm8k,
     "boxed": boxed,
-    "search_em": search_em,
-    "verl_default": verl_default,
     "overlong_penalty": overlong_penalty,
     "correctness": correctness,
     "strict_format": strict_format,
@@ -403,3 +333,5 @@ RULES: dict[str, Callable[..., float]] = {
     "xml_count": xml_count,
     "contains_integer": contains_integer,
 }
+
+RULES.update(VERL_RULES)

@@ -100,7 +100,7 @@ class RewardBatch:
             metrics = future.result()  # a reward component's fault is already a fallback, not raised
             trajectories += group
             # reward means are recomputed over the whole batch below
-            kept = {k: v for k, v in metrics.items() if _is_count(k) or not k.startswith("reward/")}
+            kept = {k: v for k, v in metrics.items() if _is_count(k) or not k.startswith("reward/") or k.startswith("reward/logged/")}
             parts.append((len(group), kept))
         merged = combine(parts)
         merged.update(batch_summary(trajectories))

@@ -1,10 +1,16 @@
 """Reward functions written for TRL's GRPOTrainer: lists in (one entry a completion, every
-dataset column as a list), a list of floats out (None: not applicable to that completion)."""
+dataset column as a list), a list of floats out (None: not applicable to that completion).
+As TRL calls them: once per batch of completions (with reward.streaming, once per group, as
+each group finishes), with `trainer_state` (`global_step`, `epoch`), `log_metric(name, value)`
+(its mean over the step in metrics.jsonl as `reward/logged/<name>`) and `log_extra(column,
+values)` (one value per completion, in each trajectory's rollouts.jsonl record under `extra`)."""
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 # the parameters that mark a reward function written for TRL's GRPOTrainer: it takes lists (one
@@ -19,6 +25,36 @@ def is_batched(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return any(name in names for name in BATCH_NAMES)
+
+
+@dataclass
+class TrainerState:
+    """What TRL's `trainer_state` tells a reward: the optimizer steps done and the epoch."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+
+
+def trl_extras(fn: Callable[..., Any], state: TrainerState, extra: dict[str, list[Any]],
+               logged: dict[str, list[float]]) -> dict[str, Any]:  # fmt: skip
+    """TRL's trainer_state, log_metric and log_extra, for a function that can take them."""
+
+    def log_metric(name: str, value: float) -> None:
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            logged.setdefault(str(name), []).append(float(value))
+
+    def log_extra(column: str, values: list[Any]) -> None:
+        extra.setdefault(str(column), []).extend(list(values))
+
+    offered = {"trainer_state": state, "log_metric": log_metric, "log_extra": log_extra}
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return offered
+    return {k: v for k, v in offered.items() if k in parameters}
 
 
 def _batch_arguments(contexts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class Trajectory:
     version: int | None = None
     rewards: dict[str, float] = field(default_factory=dict)  # named components
     artifacts: dict[str, str] = field(default_factory=dict)  # files reward models made (model -> image path)
+    extra: dict[str, Any] = field(default_factory=dict)  # columns a TRL-style reward logged (log_extra)
     reward: float = 0.0  # composite
     advantage: float = 0.0
 

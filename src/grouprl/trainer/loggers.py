@@ -259,6 +259,8 @@ class RolloutWriter:
             }
             if images:
                 record["images"] = images
+            if t.extra:  # what a TRL-style reward logged for it (log_extra)
+                record["extra"] = {k: clean(v) if isinstance(v, float) else v for k, v in t.extra.items()}
             lines.append(json.dumps(record, default=str))
         return lines
 

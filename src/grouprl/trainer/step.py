@@ -232,6 +232,8 @@ class Collector:
         while generation goes on."""
         n, p = self.cfg.rollout.n_agent, self.p
         t0 = time.perf_counter()
+        if hasattr(p.reward, "progress"):  # TRL-style rewards read it as trainer_state
+            p.reward.progress = dataclasses.replace(p.reward.progress, global_step=pending.step, epoch=float(pending.epoch or 0.0))
         stream = p.streaming.open() if p.streaming is not None else None
         on_group = stream.submit if stream is not None else None
         trajectories = self.rollout(
