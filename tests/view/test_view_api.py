@@ -81,7 +81,7 @@ def run(tmp_path):
 
 
 def client_of(*folders):
-    return TestClient(create_app(open_runs([str(f) for f in folders])))
+    return TestClient(create_app(open_runs([str(f) for f in folders])), base_url="http://127.0.0.1:8008")
 
 
 def test_steps_groups_samples_and_judge_calls(run):
@@ -110,7 +110,8 @@ def test_steps_groups_samples_and_judge_calls(run):
 
     history = client.get("/api/runs/demo/uid", params={"uid": "u1"}).json()
     assert [(h["step"], [s["reward"] for s in h["samples"]]) for h in history] == [(1, [1.0, 0.0]), (2, [0.0, 0.0])]
-    assert client.get("/api/runs/demo/answers", params={"folder": "eval"}).json()[0]["uid"] == "v1"
+    assert client.get("/api/runs/demo/answers", params={"folder": "eval"}).json() == {
+        "rows": [{"uid": "v1", "prompt": "q", "response": "a", "accuracy": 1.0}], "unreadable": 0}
     assert client.get("/api/runs/demo/answers", params={"folder": ".."}).status_code == 404
     assert client.get("/api/runs/demo/steps/7").status_code == 404
     metrics = client.get("/api/runs/demo/metrics").json()
@@ -277,7 +278,7 @@ def test_the_judge_index_is_built_in_the_background_after_the_runs_are_listed(ru
     added: list[int] = []
     slow_judge_index(monkeypatch, added)
     [demo] = open_runs([str(run)])
-    client = TestClient(create_app([demo]))
+    client = TestClient(create_app([demo]), base_url="http://localhost:8008")
     assert client.get("/api/runs").json()[0]["steps"] == [1, 2]
     assert demo.indexing is not None and demo.indexing.daemon  # started once the runs were answered
     groups = client.get("/api/runs/demo/steps/1").json()["groups"]  # while it builds: waits for it
