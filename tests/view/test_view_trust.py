@@ -8,7 +8,6 @@ Content-Security-Policy)."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
@@ -208,10 +207,18 @@ def test_metrics_and_answers_lines_are_read_alone_and_counted(run):
     assert client.get("/api/runs").json()[0]["unreadable"] == {"metrics.jsonl": 2}
 
 
-def test_a_damaged_index_is_built_again(run):
+@pytest.mark.parametrize(
+    "rollouts, judge",
+    [
+        ('{"version": 2, "kind": "rollouts", "steps": [[1, "a", null, 3]], "end": "x"}', "[1, 2"),
+        ('{"version": 2, "kind": "rollouts", "end": 5, "mark": "zz", "unreadable": 0, "steps": [], "uids": {}}',
+         '{"version": 2, "kind": "judge", "end": 0, "mark": "", "unreadable": 0, "requests": {"u1/0": [["x", 0, 1, 2]]}}'),
+    ],
+)
+def test_a_damaged_index_is_built_again_or_read_around(run, rollouts, judge):
     client_of(run).get("/api/runs/demo/steps/1")
-    for name in os.listdir(run / ".view"):
-        (run / ".view" / name).write_text('{"version": 2, "kind": "rollouts", "steps": [[1, "a", null, 3]], "end": "x"}')
+    (run / ".view" / "rollouts.index.json").write_text(rollouts)
+    (run / ".view" / "judge.index.json").write_text(judge)
     client = client_of(run)
     assert routes_answer(client) == [200] * 7
     assert client.get("/api/runs").json()[0]["trajectories"] == 8

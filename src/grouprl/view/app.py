@@ -10,8 +10,8 @@ A run's text is untrusted (the policy wrote it, a dataset came from the internet
   127.0.0.1 is refused;
 - every answer carries a Content-Security-Policy (`CSP`): scripts, styles, connections and
   images from this server only (images also as data: URLs), no plugins, no frames, no forms;
-- the API's JSON is written in ASCII (a lone surrogate a line's escape made is answered as an
-  escape, not as an error), strict (a NaN is never sent: lines read it as null).
+- the API's JSON is strict (a NaN is never sent: lines read it as null) and a lone surrogate a
+  line's escape made is answered as an escape (JSON in ASCII), not as an error.
 
     GET /                                   the page
     GET /static/{app.js|style.css|plotly.min.js}
@@ -71,10 +71,15 @@ class Guarded:
 
 
 def as_json(content: Any, status: int = 200) -> Any:
-    """`content` as strict JSON in ASCII (see the module's docstring)."""
+    """`content` as strict JSON (see the module's docstring): pydantic's serializer, or where it
+    cannot write a string (a lone surrogate), json's in ASCII."""
+    import pydantic_core
     from fastapi.responses import Response
 
-    body = json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    try:
+        body = pydantic_core.to_json(content, inf_nan_mode="null")
+    except pydantic_core.PydanticSerializationError:
+        body = json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
     return Response(body, status_code=status, media_type="application/json")
 
 

@@ -51,12 +51,15 @@ _ERROR_KEY = b', "error": '
 _JUDGE_TAIL = re.compile(rb'(null|' + _STRING + rb'), "cached": (?:true|false), "attempts": ' + _INT + rb"\}")
 
 
+_DECODER = json.JSONDecoder(parse_constant=lambda _: None)
+
+
 def parse_line(line: bytes) -> Any:
     """A JSON line's value, or None when it cannot be read. NaN and infinities (which strict JSON,
     and so the page, has not) read as None."""
     try:
-        return json.loads(line, parse_constant=lambda _: None)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, an integer of 4300+ digits; nested too deep
+        return _DECODER.decode(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, an integer of 4300+ digits; nested too deep
         return None
 
 
@@ -66,6 +69,10 @@ def _literal(literal: bytes) -> str | None:
         return json.loads(literal) if b"\\" in literal else literal[1:-1].decode("utf-8")
     except ValueError:
         return None
+
+
+def _join(parts: list[bytes]) -> bytes:
+    return b"".join(parts)
 
 
 def _folder_fd(folder: Path) -> int:
@@ -155,24 +162,26 @@ class Follower:
     def _read(self, size: int) -> None:
         with open(self.path, "rb") as f:
             f.seek(self.end)
-            offset, rest = self.end, b""
-            while offset + len(rest) < size:
-                chunk = f.read(min(CHUNK, size - offset - len(rest)))
+            offset, pending, held = self.end, [], 0  # pending: the reads since the last newline (a line's start)
+            while offset + held < size:
+                chunk = f.read(min(CHUNK, size - offset - held))
                 if not chunk:
                     break
-                data = rest + chunk
-                last = data.rfind(b"\n")
-                if last < 0:
-                    rest = data
+                if b"\n" not in chunk:  # a line longer than a read: joined once, when it ends
+                    pending.append(chunk)
+                    held += len(chunk)
                     continue
+                data = _join([*pending, chunk])
+                last = data.rfind(b"\n")
                 position = 0
                 lines = data.split(b"\n")
-                lines.pop()  # what follows the last newline: `rest`
+                lines.pop()  # what follows the last newline: held for the next read
                 for line in lines:
                     if line.strip():
                         self.add(offset + position, line)
                     position += len(line) + 1
-                offset, rest = offset + last + 1, data[last + 1 :]
+                rest = data[last + 1 :]
+                offset, pending, held = offset + last + 1, [rest] if rest else [], len(rest)
             if offset != self.end:
                 f.seek(max(0, offset - MARK))
                 self.mark = f.read(offset - max(0, offset - MARK))
@@ -316,14 +325,15 @@ class JudgeIndex(Follower):
         return {"requests": self.requests}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.requests = {
-            str(k): [[float(t), int(at), int(length), bool(failed)] for t, at, length, failed in calls]
-            for k, calls in state["requests"].items()
-        }
+        if not isinstance(state["requests"], dict):
+            raise TypeError("requests")
+        self.requests = state["requests"]  # each call's shape is checked where it is read (calls)
 
     def calls(self, request_id: str, after: float, until: float) -> list[list]:
-        """The request's calls made in (after, until]: a step's window."""
-        return [c for c in self.requests.get(request_id, []) if after < c[0] <= until]
+        """The request's calls made in (after, until]: a step's window (a call of another shape,
+        from an index file someone changed, is left out)."""
+        calls = self.requests.get(request_id)
+        return [c for c in calls if _is_call(c) and after < c[0] <= until] if isinstance(calls, list) else []
 
     def read(self, call: list) -> dict[str, Any] | None:
         """A call's record (None: its line cannot be read)."""
@@ -331,6 +341,14 @@ class JudgeIndex(Follower):
             f.seek(call[1])
             record = parse_line(f.read(call[2]))
         return record if isinstance(record, dict) else None
+
+
+def _is_call(call: Any) -> bool:
+    """[time, offset, length, failed] as JudgeIndex keeps a call."""
+    return (
+        isinstance(call, list) and len(call) == 4 and type(call[0]) in (int, float)
+        and type(call[1]) is int and type(call[2]) is int and type(call[3]) is bool
+    )  # fmt: skip
 
 
 def _judge_call(line: bytes) -> tuple[float, str, bool] | None:

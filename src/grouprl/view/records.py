@@ -31,41 +31,44 @@ def text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def keep(record: dict[str, Any], keys: tuple[str, ...], check) -> None:
-    """Each of `keys` that `record` holds stays if `check` passes it, else goes."""
-    for key in keys:
-        if key in record and check(record[key]) is None:
-            del record[key]
-
-
 def flag(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-def trajectory(record: dict[str, Any]) -> dict[str, Any]:
-    """A rollouts.jsonl record (step and uid already checked), its fields as the page reads them."""
+TRAJECTORY = {"sample": integer, "response_tokens": integer, "version": integer, "reward": number, "advantage": number,
+              "time": number, "prompt": text, "response": text, "finish_reason": text, "truncated": flag}  # fmt: skip
+TURN = {"turn": integer, "tokens": integer, "version": integer, "text": text, "action": text, "argument": text,
+        "observation": text, "error": text, "unfinished": text, "page": text}  # fmt: skip
+
+
+def keep(record: dict[str, Any], checks: dict[str, Any]) -> None:
+    """Each field of `checks` that `record` holds stays if its check passes it, else goes; the
+    server's own fields go."""
     for key in SERVER_FIELDS:
         record.pop(key, None)
-    keep(record, ("sample", "response_tokens", "version"), integer)
-    keep(record, ("reward", "advantage", "time"), number)
-    keep(record, ("prompt", "response", "finish_reason"), text)
-    keep(record, ("truncated",), flag)
+    for key, check in checks.items():
+        if key in record and check(record[key]) is None:
+            del record[key]
+
+
+def trajectory(record: dict[str, Any], turns: bool = True) -> dict[str, Any]:
+    """A rollouts.jsonl record (step and uid already checked), its fields as the page reads them;
+    `turns=False`: its turns only as far as a step's listing reads them (their actions)."""
+    keep(record, TRAJECTORY)
     rewards = record.get("rewards")
     record["rewards"] = {str(k): number(v) for k, v in rewards.items()} if isinstance(rewards, dict) else {}
     images = record.get("images")
     record["images"] = {str(k): v for k, v in images.items() if isinstance(v, str)} if isinstance(images, dict) else {}
-    turns = record.get("turns")
-    record["turns"] = [turn(t) for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
+    listed = record.get("turns")
+    listed = [t for t in listed if isinstance(t, dict)] if isinstance(listed, list) else []
+    record["turns"] = [turn(t) for t in listed] if turns else [{"action": text(t.get("action"))} for t in listed]
     return record
 
 
 def turn(record: dict[str, Any]) -> dict[str, Any]:
     """One turn of a trajectory: its text fields text, its figures numbers, its page a path with
     a size [width, height] (else neither)."""
-    for key in SERVER_FIELDS:
-        record.pop(key, None)
-    keep(record, ("turn", "tokens", "version"), integer)
-    keep(record, ("text", "action", "argument", "observation", "error", "unfinished", "page"), text)
+    keep(record, TURN)
     size = record.get("page_size")
     if not (isinstance(size, list) and len(size) == 2 and all((number(x) or 0) > 0 for x in size)) or "page" not in record:
         record.pop("page", None)
@@ -98,7 +101,8 @@ def judge_call(record: dict[str, Any]) -> dict[str, Any]:
 def answer(record: dict[str, Any]) -> dict[str, Any]:
     """A held-out answers.jsonl row (its uid checked), the fields the page shows."""
     record["uid"] = str(record["uid"])
-    keep(record, ("prompt", "response"), text)
-    keep(record, ("accuracy", "reward"), number)
-    keep(record, ("skipped",), flag)
+    keep(record, ANSWER)
     return record
+
+
+ANSWER = {"prompt": text, "response": text, "accuracy": number, "reward": number, "skipped": flag}

@@ -148,7 +148,7 @@ class Run:
 
     def _step_groups(self, step: int) -> dict[str, Any]:
         records, unreadable = self.rollouts.records(step)
-        records = [shape.trajectory(r) for r in records]
+        records = [shape.trajectory(r, turns=False) for r in records]
         window = self._window(step, records)
         groups: dict[str, dict[str, Any]] = {}
         for r in records:
@@ -206,7 +206,7 @@ class Run:
         out = []
         for step in steps:
             records, unreadable = self.rollouts.records(step)
-            records = [shape.trajectory(r) for r in records if r["uid"] == uid]
+            records = [shape.trajectory(r, turns=False) for r in records if r["uid"] == uid]
             out.append({
                 "step": step,
                 "samples": [
@@ -228,10 +228,17 @@ class Run:
         return after, until
 
     def _step_time(self, step: int) -> float:
-        """When a step's lines were written: the last readable one's time."""
+        """When a step's lines were written: the last one's time (that of the last readable line
+        that has one)."""
         if step not in self.step_times:
-            times = [shape.number(r.get("time")) for r in self.rollouts.records(step)[0]]
-            self.step_times[step] = float(next((t for t in reversed(times) if t is not None), 0.0))
+            span = self.rollouts.steps[step]
+            when = 0.0
+            for line in reversed(list(self.rollouts.read_lines(span[0], span[1]))):
+                record = parse_line(line)
+                if isinstance(record, dict) and shape.number(record.get("time")) is not None:
+                    when = float(record["time"])
+                    break
+            self.step_times[step] = when
         return self.step_times[step]
 
     def _judge_calls(self, record: dict[str, Any], window: tuple[float, float]) -> list[list]:

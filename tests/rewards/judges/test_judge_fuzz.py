@@ -64,21 +64,20 @@ def test_the_judges_own_verdict_reads_beside_anything_the_response_wrote(respons
         assert score is not None and abs(score - expected) < 1e-12  # nothing there to quote: the verdict stands
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@settings(max_examples=15, deadline=None, derandomize=True, database=None)
 @given(unit=REPLY.filter(lambda s: len(s) >= 4))
 def test_reading_a_reply_takes_time_linear_in_its_length(unit):
     """The fuzzed reply repeated to about 20,000 and 40,000 characters: twice the text, at most
-    about twice the time (best of three; a quadratic scan would take four times as long)."""
+    about twice the time (best of five of each, taken in turn, 10 ms for a busy machine's noise; a quadratic scan
+    would take four times as long: the prose pattern once took 5 s at 20,000 characters)."""
 
     def seconds(text: str) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            read(text)
-            looks_like_verdict(text, FIELDS)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        t0 = time.perf_counter()
+        read(text)
+        looks_like_verdict(text, FIELDS)
+        return time.perf_counter() - t0
 
     small = unit * (20_000 // len(unit) + 1)
-    small_s, large_s = seconds(small), seconds(small * 2)
-    assert large_s < 3.0 * small_s + 5e-3, (len(small), small_s, large_s)
+    times = [(seconds(small), seconds(small * 2)) for _ in range(5)]  # in turn: both see the machine's load
+    small_s, large_s = min(t[0] for t in times), min(t[1] for t in times)
+    assert large_s < 3.0 * small_s + 10e-3, (len(small), small_s, large_s)

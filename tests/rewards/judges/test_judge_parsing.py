@@ -181,16 +181,13 @@ def test_a_reply_built_to_break_the_reader_is_one_parse_error(text, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
-def seconds(fn, *args) -> float:
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        try:
-            fn(*args)
-        except JudgeParseError:
-            pass
-        best = min(best, time.perf_counter() - t0)
-    return best
+def seconds(fn, text: str) -> float:
+    t0 = time.perf_counter()
+    try:
+        fn(text)
+    except JudgeParseError:
+        pass
+    return time.perf_counter() - t0
 
 
 @pytest.mark.parametrize(
@@ -211,8 +208,9 @@ def seconds(fn, *args) -> float:
 def test_reading_a_reply_takes_time_linear_in_its_length(make):
     """Doubling the reply at most about doubles the time (a quadratic scan would quadruple it)."""
     for reader in (lambda t: parse_scores(t, ONE, 5), lambda t: looks_like_verdict(t, ONE)):
-        small, large = seconds(reader, make(20_000)), seconds(reader, make(40_000))
-        assert large < 3.0 * small + 2e-3, (small, large)
+        times = [(seconds(reader, make(20_000)), seconds(reader, make(40_000))) for _ in range(5)]  # in turn
+        small, large = min(t[0] for t in times), min(t[1] for t in times)
+        assert large < 3.0 * small + 10e-3, (small, large)  # 10 ms: a busy machine's noise
 
 
 @pytest.mark.parametrize(
