@@ -1,5 +1,7 @@
-"""A server's port checked before its slow start (an index or runs to load), so that a port in use
-is one line rather than a bind traceback after the wait."""
+"""What the project's HTTP servers (`grouprl view`, the retrieval service) share: the port checked
+before a slow start (an index or runs to load), so that a port in use is one line rather than a
+bind traceback after the wait; and the Host check every route of theirs goes through
+(`TrustedHosts`), against DNS rebinding."""
 
 from __future__ import annotations
 
