@@ -116,6 +116,8 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
     # a metric key with markup (plotly reads <a href> in titles): drawn as its text, never a link
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 2, MARKUP: 1.0}) + "\n")
+    with open(run / "rollouts.jsonl", "ab") as f:  # a line cut short: skipped, counted and said
+        f.write(b'{"run": "vlm_agent", "step": 2, "uid": "cut\n')
     with BackgroundServer(create_app(open_runs([str(run)]))) as server, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium(), headless=True, args=["--no-sandbox"])
         view = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -136,6 +138,8 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
         titles = view.evaluate("[...document.querySelectorAll('.plot .gtitle')].map(t => t.textContent)")
         assert MARKUP in titles and view.locator(".plot svg a").count() == 0
         view.evaluate(f"document.getElementById({json.dumps('plot-' + MARKUP)}).remove()")  # out of the screenshot
+        assert view.locator("#unreadable").inner_text() == "vlm_agent: 1 line unreadable (rollouts.jsonl 1), skipped"
+        view.evaluate("document.getElementById('unreadable').textContent = ''")  # the docs' figures show a clean run
         view.screenshot(path=str(shots / "view_curves.png"))
 
         # trajectories: step 1's groups, then the first sample's turns, page, crop and judge reply

@@ -30,6 +30,7 @@ old one, and extended from where they stopped when the file has grown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -206,6 +207,8 @@ class Follower:
         except OSError:  # an index that cannot be kept is built again next time
             return
         try:
+            with contextlib.suppress(FileNotFoundError):  # one a killed viewer of this pid left (a link goes, unfollowed)
+                os.unlink(temp, dir_fd=folder)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=folder)
             try:
                 with os.fdopen(fd, "wb") as f:
