@@ -16,8 +16,9 @@ A line the writers wrote is read by pattern, anchored: a rollout line that begin
 that begins and ends as `JudgeLog` writes them (`{"time": T, "judge": ..., "request_id": "..."`
 ... `"error": ..., "cached": ..., "attempts": N}`). An anchored field can only be the top-level
 key, so any other line (another key order, another writer) is parsed whole, never misread: the
-writers' order is a matter of speed (parsing every line whole makes the first open of a
-100,000-trajectory run several times slower: benchmarks/RESULTS.md), and
+writers' order is a matter of speed (parsing every line whole builds the rollouts' index about
+three times slower, a second more at the first open of a 100,000-trajectory run:
+benchmarks/view_index.py), and
 `tests/view/test_view_index.py` checks that the writers' lines take the fast path. Every line
 is read alone: one that cannot be read (cut short, not JSON, a bad escape, bytes that are not
 UTF-8, a field of the wrong type) is skipped and counted (`unreadable`), and the page says so.
