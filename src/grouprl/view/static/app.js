@@ -262,7 +262,7 @@ async function openSample(uid, sample) {
     el("details", {}, el("summary", {}, "whole response"), el("pre", {}, r.response || "")),
     el("div", {}, Object.entries(r.image_urls || {}).map(([model, url]) => el("figure", {}, el("img", {class: "artifact", src: url}), el("figcaption", {}, model)))),
     el("h4", {}, `judge calls (${r.judge.length})`), el("div", {id: "judge-calls"}, r.judge.map(drawJudge)),
-    r.unreadable ? el("p", {class: "note bad unreadable"}, `${lines(r.unreadable)} of this step or its judge calls, skipped`) : null);
+    ...(r.unreadable ? [el("p", {class: "note bad unreadable"}, `${lines(r.unreadable)} of this step or its judge calls, skipped`)] : []));
   for (const row of document.querySelectorAll(".sample-row")) row.classList.remove("chosen");
 }
 
