@@ -4,6 +4,19 @@
 import pytest
 
 
+def pytest_configure(config):
+    """hypothesis (the fuzz tests) keeps its caches in a temp folder, not a `.hypothesis/` in the
+    folder pytest runs from; the tests themselves keep no example database (`database=None`)."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    if importlib.util.find_spec("hypothesis") is not None:
+        from hypothesis.configuration import set_hypothesis_home_dir
+
+        set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "grouprl-hypothesis")
+
+
 @pytest.fixture(scope="session")
 def corpus_path(tmp_path_factory):
     """The sample page corpus of tests/retriever/sample_index.py (read-only for tests)."""

@@ -40,6 +40,21 @@ def test_health(service):
     assert reply["model"] == "builtin:all-minilm-l6-v2" and reply["uptime_s"] >= 0
 
 
+def test_a_foreign_host_is_refused(service):
+    """A page elsewhere that rebinds its name to this machine sends that name as Host: refused
+    (403) before anything is searched; loopback names and addresses are answered."""
+    port = service.port
+    before = len(service.embedder.calls)
+    for host in ["evil.example", f"evil.example:{port}", f"localhost.evil.example:{port}"]:
+        headers = {"Host": host}
+        assert httpx.get(f"{service.url}/health", headers=headers, timeout=10).status_code == 403
+        refused = httpx.post(f"{service.url}/search", content=json.dumps([{"query": "tea"}]), headers=headers, timeout=10)
+        assert refused.status_code == 403 and "results" not in refused.text
+    assert len(service.embedder.calls) == before
+    for host in [f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"10.0.0.2:{port}"]:
+        assert httpx.get(f"{service.url}/health", headers={"Host": host}, timeout=10).status_code == 200
+
+
 def test_search_matches_in_process_and_batches_one_request(service):
     queries = ["capital city", "which animal purrs", "green tea", "lava"]
     before = len(service.embedder.calls)

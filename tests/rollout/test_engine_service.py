@@ -278,6 +278,46 @@ def test_a_peer_trickling_bytes_is_dropped_at_the_handshakes_deadline(quick_serv
     assert running.handshakes == {}
 
 
+def test_a_silent_peer_is_dropped_at_the_key_proofs_deadline_a_keyed_one_has_the_handshakes(quick_service, monkeypatch):
+    """Four silent connections from one address fill its share of handshakes: they hold it for
+    KEY_PROOF_S (here 0.5 s), not for the whole handshake's deadline (here 30 s, as served); a
+    peer that proved the key and is slow with its hello is still heard after that."""
+    import pickle
+    from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+    import grouprl.rollout.engines.service as service_module
+
+    monkeypatch.setattr(service_module, "KEY_PROOF_S", 0.5)
+    monkeypatch.setattr(service_module, "HANDSHAKE_TIMEOUT_S", 30.0)
+    running = quick_service()
+    t0 = time.monotonic()
+    silent = [socket.create_connection(("127.0.0.1", running.port)) for _ in range(service_module.MAX_PER_PEER)]
+    try:
+        for s in silent:
+            s.settimeout(5)
+            assert s.recv(1024)[4:].startswith(b"#CHALLENGE#")
+        for s in silent:  # each closed by the service once its 0.5 s to prove the key ran out
+            assert s.recv(1024) == b""
+        assert time.monotonic() - t0 < 3
+    finally:
+        for s in silent:
+            s.close()
+    deadline = time.monotonic() + 2
+    while running.handshakes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert running.handshakes == {}
+    with socket.create_connection(("127.0.0.1", running.port)) as sock:
+        conn = Connection(os.dup(sock.fileno()))
+        answer_challenge(conn, KEY.encode())
+        deliver_challenge(conn, KEY.encode())
+        time.sleep(1.0)  # past the key proof's deadline, inside the handshake's
+        conn.send_bytes(pickle.dumps(("hello", {"protocol": -1, "version": "0.0"})))
+        assert conn.poll(5)
+        kind, _, why, _ = conn.recv()
+        conn.close()
+    assert kind == "error" and "runs grouprl" in why and "the trainer 0.0" in why
+
+
 @pytest.mark.slow
 def test_silent_connections_cannot_crowd_out_a_trainer(quick_service, local):
     """At most 4 handshakes from one address: a fifth is closed at once, while a trainer from

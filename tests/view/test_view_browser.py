@@ -37,6 +37,7 @@ EMBEDDED_VLM = "builtin:smolvlm-smollm2-135m"  # assembled once into ~/.cache/gr
 # a turn's and an observation's tokens: the tiny tokenizer spells the <bbox> out in more tokens
 # and shows a page in more image tokens; the embedded VLM's real sizes are kept short (time)
 SIZES = {"tiny": (32, 120), "embedded": (24, 64)}
+MARKUP = 'reward/<a href="https://example.com/">link</a>'  # a metric key as a policy's reward name could make it
 
 
 def chromium() -> str | None:
@@ -112,11 +113,20 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
     judged = [json.loads(x) for x in (run / "judge.jsonl").read_text().splitlines()]
     reply = [j["raw"] for j in judged if j["request_id"] == f"{first['uid']}/{first['sample']}"][0]
 
+    # a metric key with markup (plotly reads <a href> in titles): drawn as its text, never a link
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, MARKUP: 1.0}) + "\n")
+    with open(run / "rollouts.jsonl", "ab") as f:  # a line cut short: skipped, counted and said
+        f.write(b'{"run": "vlm_agent", "step": 2, "uid": "cut\n')
     with BackgroundServer(create_app(open_runs([str(run)]))) as server, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium(), headless=True, args=["--no-sandbox"])
         view = browser.new_page(viewport={"width": 1280, "height": 900})
         errors = []
         view.on("pageerror", lambda error: errors.append(str(error)))
+        view.add_init_script(
+            "window.violations = []; document.addEventListener('securitypolicyviolation', (e) =>"
+            " window.violations.push([e.violatedDirective, (e.sample || '').slice(0, 40)]));"
+        )
         view.goto(server.url + "/")
         view.wait_for_selector("body[data-ready='1']", timeout=30_000)
 
@@ -125,6 +135,11 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
         assert drawn[0] == [s for s, _ in rewards] and drawn[1] == pytest.approx([r for _, r in rewards], abs=1e-12)
         assert view.locator("[id='plot-reward/mean'] .scatterlayer .point").count() == 2
         assert view.locator("[id='plot-time-vlm_agent'] .barlayer .point").count() >= 2 * 2
+        titles = view.evaluate("[...document.querySelectorAll('.plot .gtitle')].map(t => t.textContent)")
+        assert MARKUP in titles and view.locator(".plot svg a").count() == 0
+        view.evaluate(f"document.getElementById({json.dumps('plot-' + MARKUP)}).remove()")  # out of the screenshot
+        assert view.locator("#unreadable").inner_text() == "vlm_agent: 1 line unreadable (rollouts.jsonl 1), skipped"
+        view.evaluate("document.getElementById('unreadable').textContent = ''")  # the docs' figures show a clean run
         view.screenshot(path=str(shots / "view_curves.png"))
 
         # trajectories: step 1's groups, then the first sample's turns, page, crop and judge reply
@@ -157,7 +172,7 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
         box = view.locator(".crop-box")
         assert box.count() == 1
         width, height = first["turns"][1]["page_size"]  # the page as the policy saw it: the box's pixels
-        style = dict(part.split(":") for part in box.get_attribute("style").rstrip(";").split(";"))
+        style = dict(part.strip().split(": ") for part in box.get_attribute("style").rstrip(";").split(";"))  # set through the CSSOM
         drawn = [float(style[k].rstrip("%")) for k in ("left", "top", "width", "height")]
         x1, y1, x2, y2 = BOX
         assert drawn == pytest.approx([x1 / width * 100, y1 / height * 100, (x2 - x1) / width * 100, (y2 - y1) / height * 100])
@@ -177,6 +192,10 @@ def test_a_user_sees_the_vlm_agent_run_in_a_browser(tmp_path, monkeypatch, model
         assert "2 paired by uid" in view.locator("#eval-summary").inner_text()
         view.screenshot(path=str(shots / "view_heldout.png"))
         assert KEY not in view.content() and not errors
+        # the Content-Security-Policy held everything the page does; the one sheet refused is
+        # plotly's for map traces (maplibre), which the page never draws
+        violations = view.evaluate("window.violations")
+        assert all(v == ["style-src-elem", ".maplibregl-map{font:12px/20px Helvetica"] for v in violations), violations
         browser.close()
     if docs:  # the README's figures: 128 colours keep each under about 60 KB
         for shot in shots.glob("view_*.png"):

@@ -18,7 +18,10 @@ Every reply other than 200 is {"detail": "<one line>"}:
     422  over `max_queries` items, or an item's query (empty, not valid Unicode), id or top_k
     500  a query the index failed on (the other queries of its batch still get their results)
     503  the request took longer than `request_timeout_s` (its unsearched chunks are dropped)
-A request whose client went away is not searched further.
+A request whose client went away is not searched further. Every route answers only a Host that
+is this machine's loopback (localhost, 127.0.0.1, ::1), the `--host` it listens on, or an address
+written out (`ports.TrustedHosts`; anything else: 403): a web page elsewhere whose name is made
+to resolve to this machine (DNS rebinding) cannot use the service from a browser.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoint annotations at
@@ -32,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from grouprl.ports import TrustedHosts
 from grouprl.retriever.batching import MicroBatcher
 
 if TYPE_CHECKING:
@@ -163,14 +167,18 @@ def reply(ids: list[str | int], hits: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def create_app(retriever: "Retriever", *, batch_window_s: float = 0.002, **limits: Any) -> Any:
-    """The FastAPI app serving `retriever`; `limits` are `Limits`' fields (module docstring)."""
+def create_app(
+    retriever: "Retriever", *, batch_window_s: float = 0.002, hosts: tuple[str, ...] = (), **limits: Any
+) -> Any:
+    """The FastAPI app serving `retriever`; `hosts`: the names it answers besides the loopback's
+    and addresses (the `--host` it listens on); `limits` are `Limits`' fields (module docstring)."""
     from fastapi import FastAPI, HTTPException, Request, Response
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
 
     bounds = Limits(**limits)
     app = FastAPI(title="grouprl retriever")
+    app.add_middleware(TrustedHosts, hosts=hosts, what="the retrieval service")
     started = time.monotonic()
 
     async def search_batch(items: list[tuple[str, int]]) -> list[list[Any]]:
@@ -270,7 +278,7 @@ def serve(
     """Run the service in the foreground until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(retriever, **app_options), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(retriever, hosts=(host,), **app_options), host=host, port=port, log_level=log_level)
 
 
 class BackgroundServer:

@@ -203,7 +203,11 @@ def _with_kept_pages(turns: list[dict[str, Any]], images_dir: Path | None) -> li
 
 
 class RolloutWriter:
-    """rollouts.jsonl: one line per trajectory (the curriculum engine reads it)."""
+    """rollouts.jsonl: one line per trajectory (the curriculum engine reads it). Each line begins
+    `{"run": ..., "step": N, "uid": "...", "sample": N` and ends with `}`, written by `json.dumps`
+    with its default separators: `grouprl view` indexes such a line by those leading fields
+    without parsing it whole (any other line it parses: the order is a matter of speed, checked
+    by tests/view/test_view_index.py)."""
 
     def __init__(self, path: Path, run: str):
         self.file = open(path, "a", buffering=1)

@@ -14,7 +14,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "view", help="see runs in a browser: curves, each step's groups, a sample's turns and pages, held-out answers"
     )
     view.add_argument("runs", nargs="+", metavar="RUN", help="run folders (<output_dir>/<experiment_name>), finished or running")
-    view.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only)")
+    view.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1: this machine only); requests are answered for it, the loopback's names and addresses",
+    )
     view.add_argument("--port", type=int, default=8008, help="port to listen on")
     view.add_argument(
         "--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="uvicorn log level"
@@ -36,6 +40,6 @@ def cmd_view(args: argparse.Namespace) -> int:
 
     url = f"http://{args.host}:{args.port}"
     print(f"grouprl view: {', '.join(r.name for r in runs)} on {url} (Ctrl-C to stop)", flush=True)
-    uvicorn.run(create_app(runs), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(runs, hosts=(args.host,)), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -4,12 +4,13 @@ judge calls, its held-out answers, and the files inside it that a page may show.
 A run folder is what `grouprl train` writes (`<output_dir>/<experiment_name>/`): metrics.jsonl,
 rollouts.jsonl, judge.jsonl (and judge.rank<N>.jsonl), images/, config.yaml, and
 `grouprl eval`'s answers.jsonl in eval/ (or any folder holding an answers.jsonl). Nothing here
-writes into it but the viewer's own index (`index.index_folder`).
+writes into it but the viewer's own index (`index.index_folder`). Each line is read alone: one
+that cannot be read is skipped and counted (`unreadable`, in every answer that skipped one), and
+each record is shaped before it is answered (`records.py`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from collections.abc import Iterator
@@ -18,7 +19,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from grouprl.errors import UserError
-from grouprl.view.index import Follower, JudgeIndex, RolloutIndex, index_folder
+from grouprl.view import records as shape
+from grouprl.view.index import Follower, JudgeIndex, RolloutIndex, index_folder, parse_line
 
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.yaml", "answers.jsonl", "eval/answers.jsonl")
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp", ".gif": "image/gif"}
@@ -39,12 +41,11 @@ class Metrics(Follower):
         self.rows: list[dict[str, Any]] = []
 
     def add(self, offset: int, line: bytes) -> None:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            return
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            self.rows.append(row)
+        row = parse_line(line)
+        if isinstance(row, dict) and shape.integer(row.get("step")) is not None:
+            self.rows.append({str(k): v for k, v in row.items() if k == "step" or shape.number(v) is not None})
+        else:
+            self.unreadable += 1
 
 
 class Run:
@@ -127,6 +128,8 @@ class Run:
         with self.lock:
             self._refresh_steps()
             steps, rows = dict(self.rollouts.steps), len(self.metrics.rows)
+            unreadable = {"metrics.jsonl": self.metrics.unreadable, "rollouts.jsonl": self.rollouts.unreadable}
+        unreadable.update({path.name: judge.unreadable for path, judge in list(self.judges.items())})  # as indexed so far
         return {
             "name": self.name,
             "steps": sorted(steps),
@@ -134,6 +137,7 @@ class Run:
             "metric_rows": rows,
             "judge_logs": len(list(self.root.glob("judge*.jsonl"))),
             "evals": self.evals(),
+            "unreadable": {name: n for name, n in unreadable.items() if n},  # lines skipped, by file
         }
 
     # -- one step ----------------------------------------------------------------------------
@@ -143,7 +147,8 @@ class Run:
             return self._step_groups(step)
 
     def _step_groups(self, step: int) -> dict[str, Any]:
-        records = self.rollouts.records(step)
+        records, unreadable = self.rollouts.records(step)
+        records = [shape.trajectory(r, turns=False) for r in records]
         window = self._window(step, records)
         groups: dict[str, dict[str, Any]] = {}
         for r in records:
@@ -154,13 +159,13 @@ class Run:
             group["samples"].append({
                 "sample": r.get("sample"),
                 "reward": r.get("reward"),
-                "rewards": r.get("rewards") or {},
+                "rewards": r["rewards"],
                 "advantage": r.get("advantage"),
                 "response_tokens": r.get("response_tokens"),
                 "truncated": bool(r.get("truncated")),
                 "finish_reason": r.get("finish_reason"),
                 "version": r.get("version"),
-                "actions": [t.get("action") for t in r.get("turns") or []],
+                "actions": [t.get("action") for t in r["turns"]],
                 "answer": _cut(r.get("response"), tail=True),
                 "judge_calls": len(judged),
                 "judge_failed": any(c[3] for c in judged),
@@ -170,7 +175,7 @@ class Run:
             finite = [x for x in rewards if isinstance(x, (int, float)) and math.isfinite(x)]
             group["zero_variance"] = len(finite) == len(rewards) and len(set(finite)) <= 1
             group["reward_mean"] = sum(finite) / len(finite) if finite else None
-        return {"step": step, "groups": list(groups.values())}
+        return {"step": step, "groups": list(groups.values()), "unreadable": unreadable}
 
     def sample(self, step: int, uid: str, sample: int) -> dict[str, Any] | None:
         """One trajectory's whole record, each turn's page as a link, and its judge calls."""
@@ -178,19 +183,19 @@ class Run:
             return self._sample(step, uid, sample)
 
     def _sample(self, step: int, uid: str, sample: int) -> dict[str, Any] | None:
-        records = self.rollouts.records(step)
-        record = next((r for r in records if r.get("uid") == uid and r.get("sample") == sample), None)
+        records, unreadable = self.rollouts.records(step)
+        records = [shape.trajectory(r) for r in records]
+        record = next((r for r in records if r["uid"] == uid and r.get("sample") == sample), None)
         if record is None:
             return None
-        for turn in record.get("turns") or []:
-            page = turn.get("page")
-            if page and self.file(page) is not None:
-                turn["page_url"] = self.file_url(page)
-        record["image_urls"] = {
-            model: self.file_url(path) for model, path in (record.get("images") or {}).items() if self.file(path)
-        }
+        for turn in record["turns"]:  # links only to files found inside the run (shaping dropped the record's own)
+            if "page" in turn and self.file(turn["page"]) is not None:
+                turn["page_url"] = self.file_url(turn["page"])
+        record["image_urls"] = {model: self.file_url(path) for model, path in record["images"].items() if self.file(path)}
         window = self._window(step, records)
-        record["judge"] = [self._read_call(call) for call in self._judge_calls(record, window)]
+        calls = [self._read_call(call) for call in self._judge_calls(record, window)]
+        record["judge"] = [call for call in calls if call is not None]
+        record["unreadable"] = unreadable + len(calls) - len(record["judge"])
         return record
 
     def uid_history(self, uid: str) -> list[dict[str, Any]]:
@@ -200,13 +205,15 @@ class Run:
             steps = list(self.rollouts.uids.get(uid, []))
         out = []
         for step in steps:
-            records = [r for r in self.rollouts.records(step) if r.get("uid") == uid]
+            records, unreadable = self.rollouts.records(step)
+            records = [shape.trajectory(r, turns=False) for r in records if r["uid"] == uid]
             out.append({
                 "step": step,
                 "samples": [
                     {"sample": r.get("sample"), "reward": r.get("reward"), "answer": _cut(r.get("response"), tail=True)}
                     for r in records
                 ],
+                "unreadable": unreadable,
             })  # fmt: skip
         return out
 
@@ -221,10 +228,17 @@ class Run:
         return after, until
 
     def _step_time(self, step: int) -> float:
+        """When a step's lines were written: the last one's time (that of the last readable line
+        that has one)."""
         if step not in self.step_times:
             span = self.rollouts.steps[step]
-            last = list(self.rollouts.read_lines(span[0], span[1]))[-1]
-            self.step_times[step] = float(json.loads(last).get("time") or 0.0)
+            when = 0.0
+            for line in reversed(list(self.rollouts.read_lines(span[0], span[1]))):
+                record = parse_line(line)
+                if isinstance(record, dict) and shape.number(record.get("time")) is not None:
+                    when = float(record["time"])
+                    break
+            self.step_times[step] = when
         return self.step_times[step]
 
     def _judge_calls(self, record: dict[str, Any], window: tuple[float, float]) -> list[list]:
@@ -232,25 +246,25 @@ class Run:
         return [[*c, judge] for judge in self.judges.values() for c in judge.calls(request, *window)]
 
     @staticmethod
-    def _read_call(call: list) -> dict[str, Any]:
+    def _read_call(call: list) -> dict[str, Any] | None:
         record = call[4].read(call)
-        keep = ("time", "judge", "model", "prompt", "raw", "scores", "aggregate", "error", "cached", "attempts", "latency_s")
-        return {k: record.get(k) for k in keep}
+        return shape.judge_call(record) if record is not None else None
 
     # -- held-out answers --------------------------------------------------------------------
-    def answers(self, folder: str) -> list[dict[str, Any]]:
+    def answers(self, folder: str) -> dict[str, Any]:
+        """A held-out answers.jsonl's rows (complete lines) and how many could not be read."""
+        rows, unreadable = [], 0
         if folder not in self.evals():
-            return []
-        path = self.root / folder / "answers.jsonl"
-        rows = []
-        with open(path, "rb") as f:
+            return {"rows": rows, "unreadable": unreadable}
+        with open(self.root / folder / "answers.jsonl", "rb") as f:
             for line in f:
                 if line.endswith(b"\n") and line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        continue
-        return rows
+                    row = parse_line(line)
+                    if isinstance(row, dict) and isinstance(row.get("uid"), (str, int)):
+                        rows.append(shape.answer(row))
+                    else:
+                        unreadable += 1
+        return {"rows": rows, "unreadable": unreadable}
 
     # -- files inside the run ----------------------------------------------------------------
     def file(self, relative: str) -> Path | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from grouprl.errors import ConfigError
 from grouprl.rewards.judges.base import Completion, JudgePrompt
+
+logger = logging.getLogger(__name__)
 
 
 def cache_key(backend: str, model: str, prompt: JudgePrompt, temperature: float, max_tokens: int) -> str:
@@ -32,7 +35,7 @@ def cache_key(backend: str, model: str, prompt: JudgePrompt, temperature: float,
         "max_tokens": max_tokens,
         "image_groups": [[label, len(images)] for label, images in prompt.image_groups],
     }
-    digest.update(json.dumps(header, sort_keys=True, ensure_ascii=False).encode())
+    digest.update(json.dumps(header, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     for _, images in prompt.image_groups:
         for image in images:
             digest.update(hashlib.sha256(image.data).digest())
@@ -69,12 +72,17 @@ class JudgeCache:
         )
 
     def put(self, key: str, completion: Completion) -> None:
+        """Keep an answer; one that cannot be kept (text SQLite cannot store, such as a lone
+        surrogate; a locked or full database) is asked again next time, never an error."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?)",
-                (key, completion.text, completion.prompt_tokens, completion.completion_tokens, time.time()),
-            )
-            self._db.commit()
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?)",
+                    (key, completion.text, completion.prompt_tokens, completion.completion_tokens, time.time()),
+                )
+                self._db.commit()
+            except (UnicodeEncodeError, sqlite3.Error) as e:
+                logger.warning("judge cache %s: an answer was not kept (%s)", self.path, type(e).__name__)
 
     def __len__(self) -> int:
         with self._lock:

@@ -49,7 +49,7 @@ from grouprl.rewards.judges.images import JudgeImageError
 from grouprl.rewards.judges.log import JudgeLog
 from grouprl.rewards.judges.openai_compat import backoff_delay
 from grouprl.rewards.judges.parsing import JudgeParseError, parse_scores
-from grouprl.rewards.judges.prompt import load_template, render
+from grouprl.rewards.judges.prompt import fenced_texts, load_template, render
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class JudgeClient:
         key = cache_key(cfg.backend, self.backend.model, prompt, cfg.temperature, cfg.max_tokens)
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             try:
-                return self._scored(hit, cached=True, attempts=0, latency_s=0.0)
+                return self._scored(hit, prompt, cached=True, attempts=0, latency_s=0.0)
             except JudgeParseError:  # stored under other fields/scale: ask again
                 pass
         while key in self._in_flight:  # the same prompt is being judged: wait for that answer
@@ -247,7 +247,7 @@ class JudgeClient:
             if completion is not None:
                 raw = completion.text
                 try:
-                    result = self._scored(completion, cached=False, attempts=attempts, latency_s=latency)
+                    result = self._scored(completion, prompt, cached=False, attempts=attempts, latency_s=latency)
                 except JudgeParseError as e:
                     error, retryable = f"unparsable judge output: {e}", True
                 else:
@@ -263,9 +263,16 @@ class JudgeClient:
         return backoff_delay(attempt, retry_after, self.cfg.backoff_base_s, self.cfg.backoff_max_s)
 
     def _scored(
-        self, completion: Completion, *, cached: bool, attempts: int, latency_s: float
+        self, completion: Completion, prompt: JudgePrompt, *, cached: bool, attempts: int, latency_s: float
     ) -> JudgeResult:
-        parsed = parse_scores(completion.text, self.cfg.fields, self.cfg.scale, truncated=completion.truncated)
+        """The completion's scores; a score it copies from the policy's fenced text is no verdict."""
+        parsed = parse_scores(
+            completion.text,
+            self.cfg.fields,
+            self.cfg.scale,
+            truncated=completion.truncated,
+            quoted=fenced_texts(prompt),
+        )
         return JudgeResult(
             scores=parsed.scores,
             aggregate=parsed.aggregate,

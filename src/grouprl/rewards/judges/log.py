@@ -1,9 +1,11 @@
 """judge.jsonl: one line per judged request, each written with a single write + flush.
 
-Fields: `time`, `judge`, `request_id`, `model`, `prompt` (the rendered system and user text and
-the number of images sent; null when the request never rendered), `latency_s`, `prompt_tokens`,
-`completion_tokens`, `raw` (the judge's own output), `scores`, `aggregate`, `error`, `cached`,
-`attempts`.
+Fields, in this order: `time`, `judge`, `request_id`, `model`, `prompt` (the rendered system and
+user text and the number of images sent; null when the request never rendered), `latency_s`,
+`prompt_tokens`, `completion_tokens`, `raw` (the judge's own output), `scores`, `aggregate`,
+`error`, `cached`, `attempts`. `grouprl view` reads a line whose first three and last three keys
+are these, written by `json.dumps`'s default separators, without parsing it whole (any other
+line it parses: the order is a matter of speed, checked by tests/view/test_view_index.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from grouprl.rewards.judges.base import JudgePrompt, JudgeResult
 
 def write_line(file, text: str, lock: threading.Lock) -> None:
     """Append `text` + newline to an unbuffered binary file in one write (looping only on a
-    short write), so a killed process never leaves half a line behind a complete one."""
-    data = (text + "\n").encode("utf-8")
+    short write), so a killed process never leaves half a line behind a complete one. A lone
+    surrogate (a dataset's or a reply's JSON escape, which only a string can hold) is written
+    back as its escape: the line stays UTF-8 and reads back as it was."""
+    data = (text + "\n").encode("utf-8", "backslashreplace")
     with lock:
         view = memoryview(data)
         while view:

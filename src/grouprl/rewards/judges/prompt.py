@@ -39,6 +39,25 @@ def fence(text: str, kind: str, nonce: str) -> str:
     return f"<{kind}-{nonce}>\n{text}\n</{kind}-{nonce}>"
 
 
+def fenced_texts(prompt: JudgePrompt) -> list[str]:
+    """The policy's texts as `prompt` fenced them (between its nonce's markers), in order; none
+    when the prompt has no nonce. A score the judge's reply copies from one of them is the
+    policy's text, not the judge's verdict (parsing.py)."""
+    if not prompt.nonce:
+        return []
+    found = []
+    for kind in POLICY_TEXT:
+        start, end = f"<{kind}-{prompt.nonce}>\n", f"\n</{kind}-{prompt.nonce}>"
+        at = prompt.user.find(start)
+        while at != -1:
+            close = prompt.user.find(end, at + len(start))
+            if close == -1:
+                break
+            found.append(prompt.user[at + len(start) : close])
+            at = prompt.user.find(start, close + len(end))
+    return found
+
+
 def load_template(spec: str) -> str:
     """The template text: "" = built-in default, `builtin:<name>`, or a file path."""
     if not spec or spec.startswith("builtin:"):

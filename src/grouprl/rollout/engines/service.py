@@ -15,9 +15,13 @@ travels, and everything travels over that one connection: requests, answers and 
 one GPU to another over NCCL, whose rendezvous goes over the connection too). The service
 listens on its --host and port only; its engines open no port. What travels is pickled and not
 encrypted: the key is as good as a shell on the engine machine; serve on a network you trust, or
-bind 127.0.0.1 and reach it through an SSH tunnel (README, "Engine service"). A peer has 30 s for
-the whole handshake; at most MAX_HANDSHAKES handshakes run at once, MAX_PER_PEER from one
-address; a trainer that goes away frees its device.
+bind 127.0.0.1 and reach it through an SSH tunnel (README, "Engine service"). A peer has
+KEY_PROOF_S (5 s) to prove the key (a few small messages: a trainer takes milliseconds plus its
+round trips) and HANDSHAKE_TIMEOUT_S (30 s) for the whole handshake, its hello (the config and
+how to load the policy) included; at most MAX_HANDSHAKES handshakes run at once, MAX_PER_PEER
+from one address, so connections that send nothing hold a trainer from their address off for
+5 s at most, not 30 (one that keeps opening them still can: hence the tunnel); a trainer that
+goes away frees its device.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ SLOT_WAIT_S = 3  # how long a trainer waits for a device (one whose trainer went
 MAX_HELLO_BYTES = 64 * 2**20  # the trainer's hello (its config and how to load the policy)
 
 
+KEY_PROOF_S = 5.0  # to prove the key, of HANDSHAKE_TIMEOUT_S: a peer that sends nothing is gone after it
 MAX_HANDSHAKES = 16  # handshakes in flight (each a thread and a descriptor until it ends)
 MAX_PER_PEER = 4  # of them from one address
 BACKLOG = 64  # connections the kernel queues before they are accepted
@@ -184,12 +189,13 @@ class EngineService:
         log.info("engine on %s for %s ended (exit code %s)", device, peer, process.exitcode)
 
     def _handshake(self, conn: Connection, peer: str) -> dict | None:
-        """The key proved both ways and the trainer's hello read, within HANDSHAKE_TIMEOUT_S in
-        all; None (the connection closed, a line logged) otherwise."""
+        """The key proved both ways within KEY_PROOF_S and the trainer's hello read, within
+        HANDSHAKE_TIMEOUT_S in all; None (the connection closed, a line logged) otherwise."""
         try:
             with deadline(conn, HANDSHAKE_TIMEOUT_S):
-                deliver_challenge(conn, self.key)
-                answer_challenge(conn, self.key)
+                with deadline(conn, KEY_PROOF_S):  # a silent peer holds its slot this long, not 30 s
+                    deliver_challenge(conn, self.key)
+                    answer_challenge(conn, self.key)
                 message = conn.recv_bytes(MAX_HELLO_BYTES)  # before the key, nothing is unpickled
                 op, hello = pickle.loads(message)
         except AuthenticationError as e:
@@ -198,7 +204,8 @@ class EngineService:
             return None
         except Exception as e:  # noqa: BLE001 - a broken or foreign hello (after the key), a reset, the deadline
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            log.warning("dropped %s before its hello (%s; %d s for the whole handshake)", peer, why, HANDSHAKE_TIMEOUT_S)
+            log.warning("dropped %s before its hello (%s; %g s to prove the key, %g s for the whole handshake)",
+                        peer, why, KEY_PROOF_S, HANDSHAKE_TIMEOUT_S)  # fmt: skip
             conn.close()
             return None
         if op != "hello":

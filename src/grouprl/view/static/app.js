@@ -1,5 +1,7 @@
 // grouprl view: the page's logic. Every text from a run goes in through textContent (never as
-// HTML); the data come from the JSON API beside this file (see app.py).
+// HTML), and into plotly (whose titles and names read a little HTML) through plain(); styles
+// are set through the CSSOM (the page's Content-Security-Policy allows no style attribute
+// written as text); the data come from the JSON API beside this file (see app.py).
 "use strict";
 
 const state = {
@@ -18,6 +20,7 @@ function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
     if (k === "class") node.className = v;
+    else if (k === "style") Object.assign(node.style, v);
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
     else if (v !== undefined && v !== null) node.setAttribute(k, v);
   }
@@ -35,6 +38,15 @@ async function api(path) {
   return r.json();
 }
 const runPath = (name) => `api/runs/${encodeURIComponent(name)}`;
+// plotly reads <a href>, <b>, <br> and entities in titles, names and hover text: a metric key or
+// run name is shown as the text it is
+const plain = (text) => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+const lines = (n) => `${n} line${n === 1 ? "" : "s"} unreadable`;
+function unreadableNote(counts) {  // {file: lines skipped} -> "3 lines unreadable (rollouts.jsonl 2, judge.jsonl 1)"
+  const entries = Object.entries(counts || {});
+  const total = entries.reduce((sum, [, n]) => sum + n, 0);
+  return total ? `${lines(total)} (${entries.map(([file, n]) => `${file} ${n}`).join(", ")}), skipped` : "";
+}
 
 // ---------------------------------------------------------------- curves
 function smooth(ys, weight) {
@@ -67,13 +79,13 @@ function linePlot(container, key, title) {
   for (const run of state.runs) {
     const rows = (state.metrics[run.name] || {rows: []}).rows;
     const [xs, ys] = series(rows, key);
-    if (xs.length) traces.push({x: xs, y: smooth(ys, weight), name: run.name, mode: xs.length > 1 ? "lines+markers" : "markers", type: "scatter"});
+    if (xs.length) traces.push({x: xs, y: smooth(ys, weight), name: plain(run.name), mode: xs.length > 1 ? "lines+markers" : "markers", type: "scatter"});
   }
   if (!traces.length) return false;
   const id = `plot-${key}`;
   let div = document.getElementById(id);
   if (!div) { div = el("div", {id, class: "plot"}); container.append(div); }
-  const layout = {title: {text: title || key, font: {size: 13}}, margin: {l: 45, r: 10, t: 30, b: 30}, height: 240,
+  const layout = {title: {text: plain(title || key), font: {size: 13}}, margin: {l: 45, r: 10, t: 30, b: 30}, height: 240,
     showlegend: state.runs.length > 1, xaxis: {title: {text: "step"}}};
   Plotly.react(div, traces, layout, {displaylogo: false, responsive: true});
   return true;
@@ -85,13 +97,13 @@ function timeBars(container) {
     const traces = [];
     for (const key of TIME_PARTS) {
       const [xs, ys] = series(rows, key);
-      if (xs.length) traces.push({x: xs, y: ys, name: key.slice(5), type: "bar"});
+      if (xs.length) traces.push({x: xs, y: ys, name: plain(key.slice(5)), type: "bar"});
     }
     if (!traces.length) continue;
     const id = `plot-time-${run.name}`;
     let div = document.getElementById(id);
     if (!div) { div = el("div", {id, class: "plot wide"}); container.append(div); }
-    Plotly.react(div, traces, {barmode: "stack", title: {text: `${run.name}: seconds per step`, font: {size: 13}},
+    Plotly.react(div, traces, {barmode: "stack", title: {text: plain(`${run.name}: seconds per step`), font: {size: 13}},
       height: 260, margin: {l: 45, r: 10, t: 30, b: 30}}, {displaylogo: false, responsive: true});
   }
 }
@@ -165,6 +177,7 @@ function drawGroups() {
       el("table", {class: "samples"}, el("tr", {}, ...["#", "reward", "components", "advantage", "tokens", "finish", "version", "actions", "judge"].map((h) => el("th", {}, h))), rows)));
   }
   if (!shown) box.append(el("p", {class: "note"}, "No group passes the filters."));
+  if (state.step.unreadable) box.prepend(el("p", {class: "note bad unreadable"}, `${lines(state.step.unreadable)} in this step, skipped`));
 }
 
 async function loadStep() {
@@ -191,7 +204,8 @@ function pageFigure(turn) {
   const fig = el("figure", {}, frame, el("figcaption", {}, `${turn.page} (shown ${turn.page_size.join("x")})`));
   const crop = cropOf(turn);
   if (crop) {
-    frame.append(el("div", {class: "crop-box", style: `left:${crop.x1 * 100}%;top:${crop.y1 * 100}%;width:${(crop.x2 - crop.x1) * 100}%;height:${(crop.y2 - crop.y1) * 100}%`}));
+    frame.append(el("div", {class: "crop-box", style: {left: `${crop.x1 * 100}%`, top: `${crop.y1 * 100}%`,
+      width: `${(crop.x2 - crop.x1) * 100}%`, height: `${(crop.y2 - crop.y1) * 100}%`}}));
     const canvas = el("canvas", {class: "crop"});
     const draw = () => {  // the crop the policy saw, cut from the page
       const sx = crop.x1 * img.naturalWidth, sy = crop.y1 * img.naturalHeight;
@@ -247,7 +261,8 @@ async function openSample(uid, sample) {
     el("div", {}, (r.turns || []).length ? null : el("pre", {class: "bubble policy"}, r.response || "")),
     el("details", {}, el("summary", {}, "whole response"), el("pre", {}, r.response || "")),
     el("div", {}, Object.entries(r.image_urls || {}).map(([model, url]) => el("figure", {}, el("img", {class: "artifact", src: url}), el("figcaption", {}, model)))),
-    el("h4", {}, `judge calls (${r.judge.length})`), el("div", {id: "judge-calls"}, r.judge.map(drawJudge)));
+    el("h4", {}, `judge calls (${r.judge.length})`), el("div", {id: "judge-calls"}, r.judge.map(drawJudge)),
+    ...(r.unreadable ? [el("p", {class: "note bad unreadable"}, `${lines(r.unreadable)} of this step or its judge calls, skipped`)] : []));
   for (const row of document.querySelectorAll(".sample-row")) row.classList.remove("chosen");
 }
 
@@ -257,7 +272,8 @@ async function followUid(uid) {
   box.classList.remove("hidden");
   box.replaceChildren(el("h3", {}, `prompt ${uid} across steps`, " ", el("button", {onclick: () => box.classList.add("hidden")}, "close")),
     el("table", {class: "samples"}, el("tr", {}, el("th", {}, "step"), el("th", {}, "rewards"), el("th", {}, "answers")),
-      history.map((h) => el("tr", {}, el("td", {}, h.step), el("td", {}, h.samples.map((s) => fmt(s.reward)).join(" ")),
+      history.map((h) => el("tr", {}, el("td", {}, h.step, h.unreadable ? el("div", {class: "note bad"}, lines(h.unreadable)) : null),
+        el("td", {}, h.samples.map((s) => fmt(s.reward)).join(" ")),
         el("td", {}, h.samples.map((s) => el("div", {class: "answer"}, `#${s.sample}: ${s.answer}`)))))));
 }
 
@@ -286,9 +302,10 @@ function answerCell(row) {
 }
 
 async function drawAnswers() {
-  const a = await answersOf($("eval-a").value), b = await answersOf($("eval-b").value);
+  const left = await answersOf($("eval-a").value), right = await answersOf($("eval-b").value);
   const table = $("eval-table");
-  if (!a) { table.replaceChildren(); return; }
+  if (!left) { table.replaceChildren(); return; }
+  const a = left.rows, b = right && right.rows;
   const byUid = new Map((b || []).map((r) => [r.uid, r]));
   const text = $("eval-filter").value.trim().toLowerCase();
   let rows = a.map((r) => [r, byUid.get(r.uid)]);
@@ -302,7 +319,8 @@ async function drawAnswers() {
     const worse = both.filter((r) => r.accuracy < byUid.get(r.uid).accuracy).length;
     summary += ` · beside: ${b.length} answers, accuracy ${fmt(mean(b))} · ${both.length} paired by uid: left better on ${better}, right better on ${worse}`;
   }
-  $("eval-summary").textContent = summary;
+  const skipped = [left, right].filter((x) => x && x.unreadable).map((x) => x.unreadable).reduce((s, n) => s + n, 0);
+  $("eval-summary").textContent = skipped ? `${summary} · ${lines(skipped)}, skipped` : summary;
   const pages = Math.max(1, Math.ceil(rows.length / ROWS_PER_PAGE));
   state.evalPage = Math.min(state.evalPage, pages - 1);
   $("eval-page").textContent = `page ${state.evalPage + 1} of ${pages} (${rows.length} rows)`;
@@ -333,6 +351,8 @@ function show(view) {
 async function refreshRuns() {
   state.runs = await api("api/runs");
   $("runs").textContent = state.runs.map((r) => `${r.name}: ${r.steps.length} steps, ${r.trajectories} trajectories`).join(" | ");
+  const notes = state.runs.map((r) => [r.name, unreadableNote(r.unreadable)]).filter(([, note]) => note);
+  $("unreadable").textContent = notes.map(([name, note]) => `${name}: ${note}`).join(" | ");
   const select = $("traj-run"), before = select.value;
   select.replaceChildren(...state.runs.map((r) => el("option", {value: r.name}, r.name)));
   if (before) select.value = before;
