@@ -36,7 +36,6 @@ from grouprl.algorithms import (
 )
 from grouprl.config import Config
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
-from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import Sample
 from grouprl.devices import release_cached_memory
 from grouprl.errors import ModelLoadError
@@ -154,8 +153,8 @@ class Collector:
         while len(samples) < want:  # skipped (over-long) prompts are redrawn
             if first:
                 drawn, first = p.sampler.next_batch(), False
-            else:  # a refill is part of the same step: the curriculum's draw() does not count a step
-                drawn = p.sampler.draw(want - len(samples)) if hasattr(p.sampler, "draw") else p.sampler.next_batch()
+            else:  # a refill is part of the same step (it does not count one)
+                drawn = p.sampler.more(want - len(samples))
             for i in drawn:
                 if p.train_prompts[i] is not None and len(samples) < want:
                     samples.append(p.train_samples[i])
@@ -197,7 +196,7 @@ class Collector:
         )
         with rollout_phase(p.engine):
             pending.generated = self._generate(pending, pending.groups, mine)
-            if isinstance(p.sampler, OnlineCurriculum) and self.cfg.curriculum.dynamic_filter:
+            if p.sampler.learns_from_rewards and self.cfg.curriculum.dynamic_filter:
                 pending.settled = self._settle(pending)  # refills: generated within this rollout
                 pending.epoch = float(p.sampler.epoch)  # after the refills' draws
         return pending
@@ -293,14 +292,13 @@ class Collector:
         groups = [dataclasses.replace(g, trajectories=trajectories[i * n : (i + 1) * n]) for i, g in enumerate(pending.groups)]  # fmt: skip
         metrics = self._score(pending.generated, clock)
         dropped = 0
-        curriculum = isinstance(p.sampler, OnlineCurriculum)
+        curriculum = p.sampler.learns_from_rewards
         if curriculum and c.curriculum.dynamic_filter:
             kept, metrics, dropped = self._filter_groups(groups, metrics, generate_and_score)
             groups = self.share_out(kept)
         else:
             groups, metrics, dropped = self._drop_failed(groups, metrics, curriculum)
-        if curriculum:
-            metrics.update(p.sampler.metrics())
+        metrics.update(p.sampler.metrics())  # a plain sampler has none
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
         if p.streaming is not None:  # reward work that overlapped generation (not waited for)
             metrics["time/reward_hidden"] = clock["reward_hidden"]
