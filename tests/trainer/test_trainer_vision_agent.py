@@ -19,8 +19,8 @@ from tiny import LOWER_FRACTION, write_reward
 from vision_task import write_vision_run
 
 from grouprl.config import load_config
-from grouprl.data.tasks.slides_files import write_slides_task
 from grouprl.retriever.index import build_index
+from grouprl.rollout.gold import write_slides_task
 from grouprl.trainer.trainer import Trainer
 from retriever.sample_index import shared_embedder
 from vision_helpers import ForcedTurns
