@@ -535,7 +535,8 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`grouprl`'s arguments, every verb's (the docs' commands are checked against it)."""
     parser = argparse.ArgumentParser(prog="grouprl", description="Group-relative RL post-training.")
     sub = parser.add_subparsers(dest="verb", required=True)
     train = sub.add_parser(
@@ -573,7 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     conv.set_defaults(func=cmd_convert)
     ver = sub.add_parser("version", help="print the version")
     ver.set_defaults(func=lambda a: print(__import__("grouprl").__version__) or 0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     _setup_logging()
     report = RankReport()
     try:
