@@ -66,6 +66,7 @@ test-quick: $(STAMP)
 # the manual as a site in site/ (MkDocs Material), strict: a broken link, anchor or a page left
 # out of the nav fails the build (tests/test_docs.py builds it the same way in `make test`)
 docs: $(STAMP)
+	$(PY) -m grouprl.config.docs > docs/reference/settings.md
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: $(STAMP)

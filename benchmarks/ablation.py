@@ -129,21 +129,22 @@ def build_step(args, tokenizer, vocab_size: int):
         prompts = [(p * (args.prompt_tokens // len(p) + 1))[: args.prompt_tokens] for p in prompts]
     gen = torch.Generator().manual_seed(0)
     r = args.response_tokens
-    trajectories = []
+    trajectories, advantages = [], []
     for sample, prompt in zip(samples, prompts):
         for j in range(args.n_agent):
             length = int(torch.randint(max(r // 2, 1), r + 1, (1,), generator=gen))
+            response = torch.randint(3, vocab_size, (length,), generator=gen).tolist()
+            advantages.append(float(torch.randn((), generator=gen)))
             trajectories.append(
                 Trajectory(
                     sample=Sample(uid=sample.uid, messages=sample.messages),
                     index=j,
                     prompt_ids=prompt,
-                    response_ids=torch.randint(3, vocab_size, (length,), generator=gen).tolist(),
+                    response_ids=response,
                     loss_mask=[1] * length,
-                    advantage=float(torch.randn((), generator=gen)),
                 )
             )
-    return prompts, build_step_tensors(trajectories, "cpu", mask_truncated=False, pad_token_id=0)
+    return prompts, build_step_tensors(trajectories, "cpu", mask_truncated=False, pad_token_id=0, advantages=advantages)
 
 
 def full_logits_stats(hidden, targets, head, *, temperature=1.0, with_entropy=False, chunk_size=256):

@@ -159,7 +159,7 @@ def main() -> None:
             for step in range(args.steps):
                 order = (True, False) if step % 2 == 0 else (False, True)
                 for streaming in order:
-                    metrics, trajectories = sides[streaming].train_step()
+                    metrics, trajectories, _ = sides[streaming].train_step()
                     records[streaming].append(metrics)
                     ends = ""
                     if args.agent:

@@ -157,7 +157,7 @@ class GroupRLSide:
     def run_steps(self, k: int) -> list[dict]:
         start = len(self.records)
         for _ in range(k):
-            m, trajs = self.trainer.train_step()
+            m, trajs, _ = self.trainer.train_step()
             self.records.append(record(
                 len(self.records) + 1, m["time/step"], m["time/generate"], m["time/reward"],
                 sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs), statistics.fmean(t.reward for t in trajs),

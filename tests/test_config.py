@@ -432,7 +432,7 @@ def test_an_index_past_the_end_or_in_the_wrong_place_is_one_line(override, expec
         (
             "actor_rollout_ref.ref.fsdp_config.whatever=1",
             "1 verl override(s) not taken: actor_rollout_ref.ref.fsdp_config.whatever=1 (nothing in grouprl reads it "
-            "(README, Coming from verl or TRL: the names grouprl reads))",
+            "(docs/verl-trl.md: the verl names grouprl reads))",
         ),
     ],
 )

@@ -1,5 +1,5 @@
 """The shape the code keeps (DEVELOPERS.md, Structure): files and functions that fit on a few
-screens, and callers that ask an engine through its interface, never what class it is."""
+screens, and callers that ask an engine or a sampler through its interface, never what class it is."""
 
 import ast
 from pathlib import Path
@@ -8,6 +8,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "grouprl"
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 100
 ENGINE_CLASSES = {"HFEngine", "VLLMEngine", "EngineProcess", "EngineService"}
+SAMPLER_CLASSES = {"PromptSampler", "OnlineCurriculum"}
+OWN_ROOMS = {"sampler": [("data",), ("curriculum",)]}  # where a sampler is made and may be named
 
 
 def sources() -> list[tuple[Path, ast.Module]]:
@@ -28,8 +30,9 @@ def test_no_file_or_function_is_too_long():
     assert not too_long, too_long
 
 
-def engine_class_checks(tree: ast.Module) -> list[int]:
-    """Lines of isinstance(x, <engine class>) and hasattr/getattr(<...engine...>, ...)."""
+def engine_class_checks(tree: ast.Module, classes=ENGINE_CLASSES, word: str = "engine") -> list[int]:
+    """Lines of isinstance(x, <engine class>) and hasattr/getattr(<...engine...>, ...) (or a
+    sampler's, with `classes` and `word`)."""
     found = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
@@ -37,9 +40,9 @@ def engine_class_checks(tree: ast.Module) -> list[int]:
         if node.func.id == "isinstance" and len(node.args) == 2:
             names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
             names |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
-            if names & ENGINE_CLASSES:
+            if names & classes:
                 found.append(node.lineno)
-        if node.func.id in ("hasattr", "getattr") and "engine" in ast.unparse(node.args[0]).lower():
+        if node.func.id in ("hasattr", "getattr") and word in ast.unparse(node.args[0]).lower():
             found.append(node.lineno)
     return found
 
@@ -54,6 +57,16 @@ def test_only_the_engines_room_asks_an_engine_what_it_is():
     assert not outside, sorted(outside)
 
 
+def test_only_the_samplers_rooms_ask_a_sampler_what_it_is():
+    outside = {
+        f"{path.relative_to(SRC)}:{line}"
+        for path, tree in sources()
+        if not any(path.relative_to(SRC).parts[: len(room)] == room for room in OWN_ROOMS["sampler"])
+        for line in engine_class_checks(tree, SAMPLER_CLASSES, "sampler")
+    }
+    assert not outside, sorted(outside)
+
+
 def test_the_checks_see_what_they_look_for():
     """The two checks above can fail: each finds its pattern in code written for it."""
     code = ast.parse(
@@ -63,3 +76,9 @@ def test_the_checks_see_what_they_look_for():
         "z = isinstance(value, dict)\n"
     )
     assert engine_class_checks(code) == [1, 2, 3]
+    code = ast.parse(
+        "if isinstance(p.sampler, OnlineCurriculum): pass\n"
+        "x = p.sampler.draw(3) if hasattr(p.sampler, 'draw') else None\n"
+        "z = isinstance(value, PromptSampler)\n"
+    )
+    assert sorted(engine_class_checks(code, SAMPLER_CLASSES, "sampler")) == [1, 2, 3]

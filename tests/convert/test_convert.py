@@ -172,12 +172,12 @@ def test_train_takes_the_same_translations_directly(caplog):
     assert "verl key 'actor_rollout_ref.model.use_remove_padding' has no effect in grouprl" in caplog.text
 
 
-def test_readmes_table_is_the_translation_table():
+def test_the_docs_table_is_the_translation_table():
     from pathlib import Path
 
     from grouprl.convert import mapping_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "verl-trl.md").read_text()
     block = readme.split("<!-- verl-table -->\n", 1)[1].split("\n<!-- /verl-table -->", 1)[0]
     assert block.splitlines() == mapping_table()
 

@@ -31,6 +31,16 @@ def test_a_single_pool_is_walked_in_order_one_pass_after_another():
     assert sampler.epoch == 3 and sampler.steps_for_epochs(2) == 2
 
 
+def test_a_refill_within_a_step_draws_k_more_without_counting_a_step():
+    """The Sampler protocol's `more(k)` is the curriculum's draw: k prompts, the step unchanged."""
+    make = lambda: OnlineCurriculum(["a", "b", "c"], 3, cfg(weights={"edge": 1.0}), priors=[prior(0.2), prior(0.6), prior(0.4)])  # noqa: E731
+    sampler, reference = make(), make()
+    assert sampler.learns_from_rewards
+    sampler.next_batch(), reference.next_batch()
+    assert sampler.more(2) == reference.draw(2) and len(sampler.more(1)) == 1
+    assert sampler.state_dict()["step"] == 1
+
+
 def test_every_prompt_once_per_pass_even_across_batch_boundaries():
     uids = [f"p{i}" for i in range(10)]
     sampler = OnlineCurriculum(

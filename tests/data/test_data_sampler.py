@@ -109,3 +109,20 @@ def test_steps_for_epochs_never_draws_past_the_epochs():
 def test_bad_arguments(args, fragment):
     with pytest.raises(ConfigError, match=fragment):
         PromptSampler(*args)
+
+
+def test_a_plain_sampler_answers_the_sampler_protocol_and_learns_nothing():
+    """What the loop asks of every sampler (grouprl.data.Sampler): a refill within a step takes
+    the next batch's indices, and rewards, selections and metrics change nothing."""
+    from grouprl.data import Sampler
+
+    s = PromptSampler(5, 2, "sequential")
+    assert isinstance(s.learns_from_rewards, bool) and not s.learns_from_rewards
+    assert s.next_batch() == [0, 1]
+    assert s.more(1) == [2, 3]  # its next whole batch: the caller takes what it needs
+    before = s.state_dict()
+    s.update("q0", [1.0, 0.0])
+    s.note_selection(None)
+    assert s.metrics() == {} and s.state_dict() == before and s.next_batch() == [4, 0]
+    members = [m for m in dir(Sampler) if not m.startswith("_")]
+    assert all(hasattr(s, m) for m in members), [m for m in members if not hasattr(s, m)]

@@ -9,10 +9,10 @@ from PIL import Image
 from grouprl.data import load_samples
 from grouprl.data.tasks import TASKS, make_task
 from grouprl.data.tasks.slides import candidate_questions, make_corpus, make_questions, make_slides
-from grouprl.data.tasks.slides_files import main, write_slides_task
 from grouprl.errors import ConfigError
 from grouprl.rollout.actions import parse_action
 from grouprl.rollout.agent_prompts import PROTOCOL, PROTOCOL_SELF_ANSWER, with_protocol
+from grouprl.rollout.gold import main, write_slides_task
 
 
 def bm25_index(slides):

@@ -55,7 +55,7 @@ def test_the_vlm_search_agent_recipe_runs_sft_then_rl_on_page_images(tmp_path, m
     assert cfg.agent.tools == ["search", "bbox"] and cfg.agent.answer_generator == "none"
     trainer = Trainer(cfg)
     ForcedTurns(trainer.tokenizer, [f"<search>{word}</search>", "<bbox>[0, 0, 16, 16]</bbox>"]).install(monkeypatch)
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     assert len(trajectories) == 4 * 4
     for t in trajectories:
         assert [r["action"] for r in t.turns][:2] == ["search", "bbox"]

@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from grouprl.data.tasks.slides_files import write_slides_task
 from grouprl.retriever.index import build_index
+from grouprl.rollout.gold import write_slides_task
 from helpers import free_port
 from retriever.sample_index import shared_embedder
 from rewards.judges.fake_server import FakeJudgeServer, Reply

@@ -12,10 +12,20 @@ from grouprl.config import JudgeConfig, RewardComponentConfig, RewardConfig, loa
 from grouprl.data.sample import Sample
 from grouprl.errors import ConfigError
 from grouprl.rewards import CompositeReward, RewardComponent, groups_to_drop
+from grouprl.rewards.streaming import batch_summary
 from grouprl.rollout.trajectory import Trajectory
 from rewards.judges.fake_server import FakeJudgeServer, Reply, default_judge_text
 
 GOOD = "<think>7 + 5 = 12</think>\n<answer>12</answer>"
+
+
+def as_the_step_sees(reward, trajectories):
+    """A scoring's tallies and the batch summary's means over the same trajectories: the
+    step's reward metrics (each key from one of the two)."""
+    tallies = reward.score(trajectories)
+    summary = batch_summary(trajectories)
+    assert not tallies.keys() & summary.keys()
+    return {**tallies, **summary}
 
 
 def make_trajectories(responses, ground_truth="12"):
@@ -45,7 +55,7 @@ def test_weighted_sum_from_config():
         ]
     )
     trajectories = make_trajectories([GOOD, "<answer>13</answer>", "12"])
-    metrics = CompositeReward.from_config(config).score(trajectories)
+    metrics = as_the_step_sees(CompositeReward.from_config(config), trajectories)
 
     # by hand: correctness, strict_format, xml_count per response
     assert trajectories[0].rewards == {"correctness": 1.0, "format": 1.0, "tags": 0.5}
@@ -139,7 +149,7 @@ def test_failing_component_gets_the_fallback_and_is_counted(caplog, bad, fragmen
     )
     trajectories = make_trajectories([GOOD, GOOD, GOOD])
     with caplog.at_level(logging.WARNING, logger="grouprl.rewards.composite"):
-        metrics = composite.score(trajectories)
+        metrics = as_the_step_sees(composite, trajectories)
         metrics_again = composite.score(make_trajectories([GOOD]))
 
     assert [t.rewards["bad"] for t in trajectories] == [-0.5] * 3
@@ -243,7 +253,7 @@ def test_custom_function_from_a_file(tmp_path, monkeypatch):
         ]
     )
     trajectories = make_trajectories(["please", "no", "please do"])
-    metrics = CompositeReward.from_config(config).score(trajectories)
+    metrics = as_the_step_sees(CompositeReward.from_config(config), trajectories)
     assert [t.reward for t in trajectories] == [1.5, 1.0, 0.5]
     assert metrics["reward/polite"] == pytest.approx(2 / 3)
 
@@ -324,7 +334,7 @@ def test_a_gated_judge_is_not_asked_about_malformed_answers(server, tmp_path):
     composite = CompositeReward.from_config(gated_reward_config(judge_cfg(server)), run_dir=tmp_path)
     responses = [graded(4), "GRADE:5 12", graded(1), "<answer>GRADE:3</answer> trailing"]
     trajectories = make_trajectories(responses)
-    metrics = composite.score(trajectories)
+    metrics = as_the_step_sees(composite, trajectories)
     composite.close()
 
     assert server.requests == 2  # only the two well-formed answers reached the judge
@@ -360,7 +370,7 @@ def test_a_failed_judge_can_drop_its_group(server):
     good_group = make_trajectories(["malformed", "also malformed"])
     for t in good_group:
         t.sample = dataclasses.replace(t.sample, uid="q2")
-    metrics = composite.score(bad_group + good_group)
+    metrics = as_the_step_sees(composite, bad_group + good_group)
     composite.close()
 
     assert math.isnan(bad_group[0].rewards["judge"]) and math.isnan(bad_group[0].reward)
@@ -412,7 +422,7 @@ def test_overlapping_ascore_calls_share_the_judge_cap(server):
     for g, (group, metrics) in enumerate(zip(groups, all_metrics)):
         expected = [((g + i) % 6) / 5 for i in range(4)]
         assert [t.rewards["judge"] for t in group] == pytest.approx(expected)
-        assert metrics["judge/judge/calls"] == 4.0 and metrics["reward/judge"] == pytest.approx(
+        assert metrics["judge/judge/calls"] == 4.0 and batch_summary(group)["reward/judge"] == pytest.approx(
             sum(expected) / 4
         )
 

@@ -55,23 +55,27 @@ def test_groups_are_scored_while_generation_goes_on_and_match_whole_batch_scorin
             time.sleep(0.1)
             streaming.submit(group)
         generation_end = time.perf_counter()
-        metrics = streaming.finish(generation_end)
+        finished = streaming.finish(generation_end)
         waited = time.perf_counter() - generation_end
     finally:
         streaming.close()
     # the last group was submitted at the end: only its judge latency is left to wait for
     assert waited < JUDGE_LATENCY + 0.1
-    assert metrics["time/reward"] == pytest.approx(waited, abs=0.02)
-    assert metrics["time/reward_hidden"] > 0.2  # three groups' judge calls ran during "generation"
-    assert metrics["time/reward_span"] >= 0.3 + JUDGE_LATENCY - 0.02
+    assert finished.reward_s == pytest.approx(waited, abs=0.02)
+    assert finished.hidden_s > 0.2  # three groups' judge calls ran during "generation"
+    assert finished.span_s >= 0.3 + JUDGE_LATENCY - 0.02
     assert time.perf_counter() - start < 4 * 0.1 + JUDGE_LATENCY + 0.2  # not 4 x (0.1 + 0.2)
 
     expected_trajectories = [t for g in batch() for t in g]
     expected = reward().score(expected_trajectories)
     scored = [t for g in groups for t in g]
     assert [t.reward for t in scored] == pytest.approx([t.reward for t in expected_trajectories], abs=1e-12)
-    for key in ("reward/mean", "reward/std", "reward/judge", "reward/parity", "reward/errors"):
-        assert metrics[key] == pytest.approx(expected[key], abs=1e-12), key
+    # the tallies as one scoring's; the means are the batch summary's over the same trajectories
+    assert finished.metrics == {k: pytest.approx(v, abs=1e-12) for k, v in expected.items()}
+    assert not any(k in expected for k in ("reward/mean", "reward/std", "reward/judge"))
+    summary = batch_summary(scored)
+    assert summary["reward/mean"] == pytest.approx(sum(t.reward for t in scored) / len(scored), abs=1e-12)
+    assert summary["reward/judge"] == pytest.approx(sum(t.rewards["judge"] for t in scored) / len(scored), abs=1e-12)
 
 
 def test_counts_are_summed_over_groups():
@@ -84,11 +88,10 @@ def test_counts_are_summed_over_groups():
     try:
         for group in batch(groups=3, n=2):  # lengths 0,1 | 1,2 | 2,3: three failures
             streaming.submit(group)
-        metrics = streaming.finish()
+        metrics = streaming.finish().metrics
     finally:
         streaming.close()
     assert metrics["reward/errors"] == 3 and metrics["reward/errors/rule"] == 3
-    assert metrics["reward/mean"] == pytest.approx(3 / 6)
 
 
 def test_batch_summary_leaves_nan_out():
@@ -109,12 +112,12 @@ def test_hidden_time_counts_scoring_not_the_gap_between_groups():
         time.sleep(JUDGE_LATENCY + 0.4)  # later turns generate; no reward work in flight
         for group in groups[1:]:
             streaming.submit(group)
-        metrics = streaming.finish(time.perf_counter())
+        finished = streaming.finish(time.perf_counter())
     finally:
         streaming.close()
-    assert JUDGE_LATENCY - 0.01 <= metrics["time/reward_hidden"] <= JUDGE_LATENCY + 0.1
-    assert metrics["time/reward_span"] >= 2 * JUDGE_LATENCY + 0.4 - 0.01
-    assert metrics["time/reward"] >= JUDGE_LATENCY - 0.01  # the last groups' judge after generation
+    assert JUDGE_LATENCY - 0.01 <= finished.hidden_s <= JUDGE_LATENCY + 0.1
+    assert finished.span_s >= 2 * JUDGE_LATENCY + 0.4 - 0.01
+    assert finished.reward_s >= JUDGE_LATENCY - 0.01  # the last groups' judge after generation
 
 
 def test_covered_is_the_union_cut_at_the_end_of_generation():

@@ -311,7 +311,7 @@ def test_streamed_rewards_equal_whole_batch_rewards_and_hide_behind_generation()
         trajectories = loop.run(
             batch, loop.encode_prompts(batch), n, PARAMS, on_group_done=lambda i, g: streaming.submit(g)
         )
-        metrics = streaming.finish(time.perf_counter())
+        finished = streaming.finish(time.perf_counter())
     finally:
         streaming.close()
 
@@ -321,8 +321,7 @@ def test_streamed_rewards_equal_whole_batch_rewards_and_hide_behind_generation()
     expected_metrics = reward().score(expected)
     assert [t.rewards for t in trajectories] == [t.rewards for t in expected]
     assert [t.reward for t in trajectories] == [t.reward for t in expected]
-    for key in ("reward/mean", "reward/std", "reward/judge", "reward/ndcg", "reward/em"):
-        assert metrics[key] == pytest.approx(expected_metrics[key], abs=1e-12), key
+    assert finished.metrics == {k: pytest.approx(v, abs=1e-12) for k, v in expected_metrics.items()}
     # the scores depend on what is written last: the answer (em) and the retrieved ids (ndcg)
     assert {t.rewards["em"] for t in trajectories} == {1.0}
     idcg = 1 + 1 / math.log2(3)  # two gold docs
@@ -331,4 +330,4 @@ def test_streamed_rewards_equal_whole_batch_rewards_and_hide_behind_generation()
         [0, second, first, 0, 0, 0, first, 0, second], abs=1e-12
     )
     # group 1 was judged during turns 1-2, group 2 partly during turn 3: over one judge wait hidden
-    assert metrics["time/reward_hidden"] > JUDGE_LATENCY
+    assert finished.hidden_s > JUDGE_LATENCY

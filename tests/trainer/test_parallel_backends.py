@@ -12,6 +12,7 @@ loss totals and metrics reduced over the ranks) gives the one-process update. A 
 joins itself on CUDA ("cpu:gloo,cuda:nccl", emulated as "cpu:gloo,cuda:gloo") serves CPU
 tensors itself. Ray Train is asked for that backend too (`run_on_ray`, with Ray stubbed)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -127,16 +128,16 @@ def _update(rank: int) -> None:
         actor_config,
         assert_grads_close,
         make_trajectories,
+        tensors_of,
     )
 
-    from grouprl.trainer.update import build_step_tensors
     from helpers import exact_float64_norms, reference_log_probs, tiny_model_and_tokenizer
 
     emulated_nccl_only()
     ranks = Ranks.from_env("cuda")
     model = exact_float64_norms(tiny_model_and_tokenizer(dtype=torch.float64, seed=5)[0])
     trajectories = make_trajectories(model.config.vocab_size)  # 2 groups of 4: 7 and 14 loss tokens
-    whole = build_step_tensors(trajectories, "cpu", mask_truncated=True, pad_token_id=0)
+    whole = tensors_of(trajectories, mask_truncated=True, pad_token_id=0)
     with torch.no_grad():  # old and reference log-probs away from the current ones (clipping acts)
         lp, _ = reference_log_probs(
             model, whole.prompt_ids, whole.response_ids, whole.response_mask, TEMPERATURE
@@ -144,17 +145,16 @@ def _update(rank: int) -> None:
     gen = torch.Generator().manual_seed(11)
     real = whole.response_mask.bool()
     noise = lambda scale: scale * torch.randn(lp.shape, generator=gen, dtype=lp.dtype)  # noqa: E731
-    whole.old_log_probs = torch.where(real, lp + noise(0.3), 0.0).float()
-    whole.ref_log_probs = torch.where(real, lp + noise(0.5), 0.0).float()
+    whole = dataclasses.replace(
+        whole, old_log_probs=torch.where(real, lp + noise(0.3), 0.0).float(), ref_log_probs=torch.where(real, lp + noise(0.5), 0.0).float()
+    )
     cfg = actor_config(micro_batch_size=3, entropy_coef=0.05, kl_loss_coef=0.2)
     one_steps, one_metrics = accumulated_grads(model, whole, cfg)  # one process, the whole batch
 
     rows = list(range(4 * rank, 4 * rank + 4))  # this rank's group, padded as wide as the widest
     width = int(ranks.reduce([max(len(trajectories[r].response_ids) for r in rows)], "max")[0])
-    mine = build_step_tensors(
-        [trajectories[r] for r in rows], "cpu", mask_truncated=True, pad_token_id=0, width=width
-    )
-    mine.old_log_probs, mine.ref_log_probs = whole.old_log_probs[rows], whole.ref_log_probs[rows]
+    mine = tensors_of([trajectories[r] for r in rows], mask_truncated=True, pad_token_id=0, width=width)
+    mine = dataclasses.replace(mine, old_log_probs=whole.old_log_probs[rows], ref_log_probs=whole.ref_log_probs[rows])
     steps, metrics = accumulated_grads(model, mine, cfg, num_prompts=1, ranks=ranks)
     metrics = reduce_metrics(metrics, ranks)
     assert metrics.pop("dist/world_size") == 2.0

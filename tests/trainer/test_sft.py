@@ -117,8 +117,8 @@ def test_smollm2_tokens_equal_the_agent_loops_tokens(tmp_path):
     prompt, each generated turn ending at <|im_end|>, each observation's template delta."""
     from grouprl.config import ModelConfig
     from grouprl.data.prompts import encode_prompt
-    from grouprl.data.tasks.slides_files import write_slides_task
     from grouprl.rollout.chat import ChatRenderer
+    from grouprl.rollout.gold import write_slides_task
     from grouprl.trainer.models import load_tokenizer, resolve_model_path
 
     model_cfg = ModelConfig()

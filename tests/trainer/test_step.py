@@ -162,7 +162,7 @@ def test_an_asynchronous_batch_carries_its_staleness_and_its_weights_push(config
         "rollout/policy_version": 1.0,
     }
     assert batch.metrics["time/wait_weights"] == 0.5 and "time/weight_push" not in batch.metrics
-    learned = Learner(parts.cfg, parts).learn(batch)
+    learned = Learner(parts.cfg, parts).learn(batch).metrics
     assert learned["time/weight_push"] == 0.125 and "perf/engine_freed_gb" not in learned
     assert parts.engine.push_seconds == PUSH_S  # the engine was pushed to all the same
 
@@ -174,13 +174,14 @@ def test_learn_updates_as_the_updater_does_on_tensors_built_by_hand(config):
     parts, reference = parts_for(config), parts_for(config)
     batch = Collector(parts.cfg, parts).collect(step=0)
     collected = dict(batch.metrics)
-    learned = Learner(parts.cfg, parts).learn(batch)
+    result = Learner(parts.cfg, parts).learn(batch)
+    learned = result.metrics
     assert batch.metrics == collected and "reward/mean" not in learned  # its own figures only
 
     r = torch.tensor(REWARDS, dtype=torch.float32)
     eps = parts.cfg.algorithm.adv_epsilon
     advantages = ((r - r.mean()) / (r.std() + eps)).tolist() * 2  # both groups answered alike
-    assert [t.advantage for t in batch.trajectories] == pytest.approx(advantages, abs=1e-6)
+    assert list(result.advantages) == pytest.approx(advantages, abs=1e-6)
     assert learned["adv/mean"] == pytest.approx(0.0, abs=1e-6)
     assert learned["adv/max"] == pytest.approx(max(advantages), abs=1e-6)
     assert learned["response/length_mean"] == pytest.approx(sum(len(s) + 1 for s in RESPONSES) / 4)
@@ -219,7 +220,7 @@ def test_share_out_gives_each_rank_its_part_and_pads_the_short_one(config):
     assert [t.response_ids for t in pad.trajectories] == [t.response_ids for t in kept[1].trajectories]
     assert all(t.loss_mask == [0] * len(t.response_ids) for t in pad.trajectories)
     assert all(t.loss_mask == [1] * len(t.response_ids) for t in kept[1].trajectories)  # the original is untouched
-    batch = StepBatch(step=0, version=0, groups=shares[1], dropped_groups=0, metrics={}, started=0.0)
+    batch = StepBatch(step=0, version=0, groups=shares[1], dropped_groups=0, reward_errors=0, metrics={}, started=0.0)
     assert batch.places == [2] and batch.real_trajectories == kept[2].trajectories and len(batch.trajectories) == 4
     assert [len(t.response_ids) for t in batch.real_trajectories] == [2, 3]  # the group placed 2 (k = 1)
 
@@ -230,3 +231,67 @@ def rows(prompt: list[int], k: int) -> list[Trajectory]:
         Trajectory(sample=None, index=j, prompt_ids=prompt, response_ids=[7] * (k + 1 + j), loss_mask=[1] * (k + 1 + j))
         for j in range(2)
     ]
+
+
+def test_records_stop_changing_when_their_stage_ends(config):
+    """A trajectory is sealed once scored (its fields, lists and dicts refuse writes) and the
+    update's tensors are frozen: learn adds nothing to the batch it was given."""
+    from grouprl.rollout.trajectory import SealedError
+
+    parts = parts_for(config)
+    batch = Collector(parts.cfg, parts).collect(step=0)
+    t = batch.trajectories[0]
+    assert t.sealed and t.rewards and t.response_ids
+    for write in (
+        lambda: setattr(t, "reward", 1.0),
+        lambda: setattr(t, "version", 9),
+        lambda: t.rewards.__setitem__("correct", 1.0),
+        lambda: t.response_ids.append(1),
+        lambda: t.loss_mask.__setitem__(0, 0),
+        lambda: t.extra.update(x=1),
+    ):
+        with pytest.raises(SealedError):
+            write()
+    snapshot = [(u.reward, dict(u.rewards), list(u.response_ids), u.version) for u in batch.trajectories]
+    learner = Learner(parts.cfg, parts)
+    tensors, _, _ = learner.step_tensors(batch)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tensors.advantages = None
+    learner.learn(batch)
+    assert [(u.reward, dict(u.rewards), list(u.response_ids), u.version) for u in batch.trajectories] == snapshot
+    copy = dataclasses.replace(t, loss_mask=[0] * len(t.loss_mask))  # a pad: a new record, unsealed
+    assert not copy.sealed and copy.response_ids == t.response_ids and copy.loss_mask != t.loss_mask
+
+
+def test_each_metric_of_a_step_has_one_writer(config, monkeypatch):
+    """A step's metrics are joined from parts (metric_parts.merge); every part of a collect and
+    a learn is recorded and no key comes from two of them; the reward means come from the
+    batch summary alone (a scoring reports its tallies only)."""
+    import grouprl.trainer.step as step_module
+    from grouprl.trainer.metric_parts import MetricClash, merge
+
+    with pytest.raises(MetricClash, match="reward/mean"):
+        merge({"reward/mean": 0.5, "a": 1.0}, {"reward/mean": 0.5})
+    parts_seen: list[set[str]] = []
+
+    def recording(*parts):
+        parts_seen.extend(set(p) for p in parts if p)
+        return merge(*parts)
+
+    monkeypatch.setattr(step_module, "merge", recording)
+    parts = parts_for(config)
+    batch = Collector(parts.cfg, parts).collect(step=0)
+    learned = Learner(parts.cfg, parts).learn(batch).metrics
+    writers: dict[str, int] = {}
+    for keys in parts_seen:
+        for key in keys:
+            writers[key] = writers.get(key, 0) + 1
+    # a part merged again as a whole (the settled metrics inside finish's) is one writer seen twice;
+    # the leaves: every key of the batch and of learn reached through exactly one leaf part
+    leaves = [keys for keys in parts_seen if not any(keys < other for other in parts_seen)]
+    assert set().union(*leaves) >= set(batch.metrics) | set(learned)
+    for key in set(batch.metrics) | set(learned):
+        assert sum(key in leaf for leaf in leaves) == 1, key
+    scored = parts.reward.score([dataclasses.replace(t, rewards={}, extra={}) for t in batch.trajectories[:4]])
+    assert not any(k in scored for k in ("reward/mean", "reward/std")) and "reward/errors" in scored
+    assert batch.metrics["reward/mean"] == pytest.approx(sum(REWARDS) / 4, abs=1e-12)

@@ -164,7 +164,7 @@ def test_final_model_loads_and_summary_line(short_run, capsys):
 def test_weights_change_and_stay_finite(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir)
     before = trainable(trainer.model)
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     after = trainable(trainer.model)
     assert len(trajectories) == 8
     assert any(not torch.equal(before[n], after[n]) for n in before)
@@ -204,7 +204,7 @@ def test_schedule_counts_every_optimizer_step(tmp_path, model_dir):
         "actor.optim.scheduler=cosine",
         "actor.optim.min_lr_ratio=0.1",
     )
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     assert trainer.scheduler.last_epoch == 4
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # halfway
     trainer.train_step()
@@ -214,7 +214,7 @@ def test_schedule_counts_every_optimizer_step(tmp_path, model_dir):
 
 def test_logged_lr_is_the_lr_the_update_used(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "actor.optim.warmup_steps=4", "trainer.total_steps=8")
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     assert metrics["actor/lr"] == pytest.approx(1e-2 * 1 / 4)  # the first step runs at 1/warmup of the peak
 
 
@@ -266,9 +266,9 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path, model_dir):
     assert len(trainer.params) == len(names)
     base_before = frozen(trainer.model)
 
-    m1, _ = trainer.train_step()
+    m1, _, _ = trainer.train_step()
     assert m1["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == reference
-    m2, _ = trainer.train_step()
+    m2, _, _ = trainer.train_step()
     assert m2["actor/kl_loss"] > 1e-6  # the adapters moved the policy away from the base
     base_after = frozen(trainer.model)
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
@@ -309,9 +309,9 @@ def test_kl_loss_uses_a_frozen_copy(tmp_path, model_dir):
     assert not any(p.data_ptr() in policy_ptrs for p in ref.parameters())  # a copy, not shared storage
     ref_before = {n: p.clone() for n, p in ref.named_parameters()}
 
-    m1, _ = trainer.train_step()
+    m1, _, _ = trainer.train_step()
     assert m1["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
-    m2, _ = trainer.train_step()
+    m2, _, _ = trainer.train_step()
     assert m2["actor/kl_loss"] > 1e-6
     assert all(torch.equal(ref_before[n], p) for n, p in ref.named_parameters())
     assert any(not torch.equal(ref_before[n], p) for n, p in trainer.model.named_parameters())
@@ -323,14 +323,14 @@ def test_no_kl_no_reference(tmp_path, model_dir):
 
 def test_kl_in_reward_is_logged_and_shapes_advantages(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "algorithm.kl_coef=0.5", "algorithm.kl_penalty=k1")
-    m1, t1 = trainer.train_step()
+    m1, t1, _ = trainer.train_step()
     assert m1["reward/kl_penalty"] == pytest.approx(0.0, abs=1e-6)
-    m2, t2 = trainer.train_step()
+    m2, t2, advantages = trainer.train_step()
     assert m2["reward/kl_penalty"] != pytest.approx(0.0, abs=1e-6)
     # advantages come from reward - kl_coef * KL, so they are not the plain GRPO ones
     rewards = torch.tensor([t.reward for t in t2]).view(-1, 4)
     plain = ((rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)).flatten()
-    got = torch.tensor([t.advantage for t in t2])
+    got = torch.tensor(advantages)
     assert not torch.allclose(got, plain, atol=1e-4)
     assert abs(float(got.view(-1, 4).sum(-1).abs().max())) < 1e-4
 
@@ -347,7 +347,7 @@ def test_ref_refresh_copies_the_policy(tmp_path, model_dir):
     assert not same()
     trainer.train_step()
     assert same()
-    m3, _ = trainer.train_step()
+    m3, _, _ = trainer.train_step()
     assert m3["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # refreshed reference == policy
 
 
@@ -420,6 +420,6 @@ def test_the_other_losses_update_the_policy(tmp_path, model_dir, loss):
     clip = ["actor.clip_low=0.4", "actor.clip_high=0.4"] if loss == "gmpo" else ["actor.clip_low=0.2", "actor.clip_high=0.28"]
     trainer = make_trainer(tmp_path, model_dir, f"actor.policy_loss={loss}", *clip)
     before = trainable(trainer.model)
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
     assert any(not torch.equal(before[n], p) for n, p in trainable(trainer.model).items())

@@ -34,7 +34,7 @@ def test_agent_trajectories_train_only_policy_tokens(tmp_path, model_dir, index_
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
     trainer = Trainer(load_config(config, agent_overrides(index_dir)))
     assert set(trainer.agent.tools) == {"search", "bbox"}
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     assert len(trajectories) == 2 * 4
     assert metrics["agent/turns_mean"] >= 1 and "actor/pg_loss" in metrics
     with_observation = [t for t in trajectories if 0 in t.loss_mask]
@@ -113,7 +113,7 @@ def test_streaming_agent_rewards_equal_batch_rewards(tmp_path, model_dir, index_
             ]
             trainer = Trainer(load_config(config, [*common, *overrides]))
             submitted = _track_submissions(trainer) if streaming else []
-            metrics, trajectories = trainer.train_step()
+            metrics, trajectories, _ = trainer.train_step()
             runs[streaming] = (metrics, trajectories, submitted)
             if trainer.streaming is not None:
                 trainer.streaming.close()

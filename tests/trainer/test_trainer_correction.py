@@ -37,7 +37,7 @@ def responses(trajectories):
 def test_bf16_records_the_engines_log_probs_and_corrects_by_default(tmp_path, model_dir):
     trainer = make_trainer(tmp_path / "on", model_dir, "actor.dtype=bfloat16")
     assert trainer.engine_differs and trainer.rollout_is == "token" and trainer.engine.report_log_probs
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     assert all(t.rollout_log_probs is not None and len(t.rollout_log_probs) == len(t.response_ids) for t in trajectories)
     for key in MISMATCH_KEYS + ["rollout/is_mean", "rollout/is_ess", "rollout/is_capped_frac"]:
         assert key in metrics, key
@@ -45,10 +45,10 @@ def test_bf16_records_the_engines_log_probs_and_corrects_by_default(tmp_path, mo
     assert 0 < metrics["rollout/is_mean"] <= 2.0 and 0 < metrics["rollout/is_ess"] <= 1.0
     # the weights reach the loss: capped at 0.5 (ratios are ~1 here), every token's loss halves
     half = make_trainer(tmp_path / "half", model_dir, "actor.dtype=bfloat16", "algorithm.rollout_is_cap=0.5")
-    half_metrics, half_trajectories = half.train_step()
+    half_metrics, half_trajectories, _ = half.train_step()
     # off stays possible: the same samples, the metrics still logged, a loss without the weights
     off = make_trainer(tmp_path / "off", model_dir, "actor.dtype=bfloat16", "algorithm.rollout_is=off")
-    off_metrics, off_trajectories = off.train_step()
+    off_metrics, off_trajectories, _ = off.train_step()
     assert responses(off_trajectories) == responses(half_trajectories) == responses(trajectories)
     assert "rollout/mismatch_mean" in off_metrics and "rollout/is_mean" not in off_metrics
     assert half_metrics["rollout/is_capped_frac"] == pytest.approx(1.0, abs=0.02)
@@ -59,12 +59,12 @@ def test_bf16_records_the_engines_log_probs_and_corrects_by_default(tmp_path, mo
 def test_float32_on_the_built_in_engine_needs_no_correction(tmp_path, model_dir):
     trainer = make_trainer(tmp_path / "fp32", model_dir, "actor.dtype=float32")
     assert not trainer.engine_differs and trainer.rollout_is == "off" and not trainer.engine.report_log_probs
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     assert all(t.rollout_log_probs is None for t in trajectories)
     assert not any(k.startswith("rollout/") for k in metrics)
     # asked for, the check shows the engine sampled the trainer's own distribution
     checked = make_trainer(tmp_path / "check", model_dir, "actor.dtype=float32", "rollout.check_log_probs=true")
-    metrics, _ = checked.train_step()
+    metrics, _, _ = checked.train_step()
     assert metrics["rollout/mismatch_max"] < 1e-5 and abs(metrics["rollout/kl_k1"]) < 1e-6
     assert "rollout/is_mean" not in metrics
 
@@ -74,7 +74,7 @@ def test_mask_mode_takes_samples_out_and_says_how_many(tmp_path, model_dir):
         tmp_path, model_dir, "actor.dtype=bfloat16", "algorithm.rollout_is_mode=mask",
         "algorithm.rollout_is_cap=1.00005",  # the tiny model's bf16 gap is ~1e-5 a token
     )
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     assert 0 < metrics["rollout/is_masked_frac"] < 1 and 0 < metrics["rollout/is_masked_seq_frac"] <= 1
     assert "rollout/is_capped_frac" not in metrics
     assert metrics["time/old_ref_log_probs"] > 0  # the old log-probs were needed before the update
@@ -84,7 +84,7 @@ def test_the_explicit_levels_reach_the_update(tmp_path, model_dir):
     for level in ("sequence", "geometric"):
         trainer = make_trainer(tmp_path / level, model_dir, "actor.dtype=bfloat16", f"algorithm.rollout_is={level}")
         assert trainer.rollout_is == level and trainer.updater.rollout_is == level
-        metrics, _ = trainer.train_step()
+        metrics, _, _ = trainer.train_step()
         assert "rollout/is_ess" in metrics
 
 
@@ -94,7 +94,7 @@ def test_agents_log_the_gap_per_turn(tmp_path, model_dir, index_dir):
         "agent.max_turns=2", "agent.answer_generator=none", "rollout.max_response_length=8",
         "data.max_prompt_length=2048",
     )
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     assert all(f"rollout/{k}/turn_1" in metrics for k in ("mismatch_mean", "kl_k1", "kl_k3"))
     assert not any("is_masked_frac/turn" in k for k in metrics)  # truncation masks nothing
     second = any(t.loss_mask.count(1) < len(t.loss_mask) and len(t.turns) > 1 for t in trajectories)
@@ -105,7 +105,7 @@ def test_agents_log_the_gap_per_turn(tmp_path, model_dir, index_dir):
         "agent.max_turns=2", "agent.answer_generator=none", "rollout.max_response_length=8",
         "data.max_prompt_length=2048", "algorithm.rollout_is_mode=mask",
     )  # fmt: skip
-    metrics, _ = masking.train_step()
+    metrics, _, _ = masking.train_step()
     assert 0 <= metrics["rollout/is_masked_frac/turn_1"] <= 1
 
 

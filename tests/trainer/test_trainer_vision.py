@@ -4,6 +4,7 @@ image processor, loaded through the real from_pretrained path): the images of th
 the sampled ones every step), training raises the reward, a resumed run equals an
 uninterrupted one, exports are working VLM folders, and the parts freeze as configured."""
 
+import dataclasses
 import json
 
 import pytest
@@ -96,11 +97,10 @@ def test_the_update_is_blind_without_the_images(tmp_path, monkeypatch):
         from PIL import Image
 
         blank = trainer.vision.prepare_image(Image.new("RGB", (56, 56)))
-        tensors.prompt_images = [[blank for _ in row] for row in tensors.prompt_images]
-        return tensors
+        return dataclasses.replace(tensors, prompt_images=[[blank for _ in row] for row in tensors.prompt_images])
 
     monkeypatch.setattr("grouprl.trainer.step.build_step_tensors", blind)
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     assert metrics["rollout/mismatch_max"] > 1e-3
 
 

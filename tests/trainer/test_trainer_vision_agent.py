@@ -19,8 +19,8 @@ from tiny import LOWER_FRACTION, write_reward
 from vision_task import write_vision_run
 
 from grouprl.config import load_config
-from grouprl.data.tasks.slides_files import write_slides_task
 from grouprl.retriever.index import build_index
+from grouprl.rollout.gold import write_slides_task
 from grouprl.trainer.trainer import Trainer
 from retriever.sample_index import shared_embedder
 from vision_helpers import ForcedTurns
@@ -63,7 +63,7 @@ def test_a_vlm_search_agent_trains_on_page_images_and_crops(tmp_path, family, sl
     trainer = agent_trainer(tmp_path, family, slides, monkeypatch, "trainer.total_steps=2")
     assert trainer.agent is not None and trainer.vision is not None
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     image_token = trainer.family.image_token_id
     for t in trajectories:
         assert [r["action"] for r in t.turns][:2] == ["search", "bbox"]
@@ -109,5 +109,5 @@ def test_the_update_sees_the_observation_images(tmp_path, slides, monkeypatch, f
         return tensors
 
     monkeypatch.setattr("grouprl.trainer.step.build_step_tensors", blind)
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     assert metrics["rollout/mismatch_max"] > 1e-4  # exact: below 1e-5 (the test above)

@@ -113,7 +113,7 @@ def test_truncated_importance_weights_enter_the_loss(tmp_path, model_dir, monkey
 
     monkeypatch.setattr(update, "policy_loss", loss_spy)
     monkeypatch.setattr(trainer.updater, "update", update_spy)
-    metrics, _ = trainer.train_step()
+    metrics, _, _ = trainer.train_step()
     tensors, old = steps[0]
     assert len(seen) == 1 and seen[0] is not None  # one micro-batch of the whole step
     mask = tensors.loss_mask.bool()
@@ -145,7 +145,7 @@ def test_the_search_agent_trains_on_vllm_turns(tmp_path, index_dir):
         "trainer.save_final=false",
         "trainer.total_steps=2",
     )
-    metrics, trajectories = trainer.train_step()
+    metrics, trajectories, _ = trainer.train_step()
     assert len(trajectories) == 2 * 4 and "actor/pg_loss" in metrics
     assert any(0 in t.loss_mask for t in trajectories)  # observations came back
     for t in trajectories:

@@ -57,10 +57,15 @@ def make_trajectories(vocab_size: int, seed: int = 0, opening: int = 0) -> list[
                     response_ids=torch.randint(3, vocab_size, (length,), generator=gen).tolist(),
                     loss_mask=loss_mask,
                     finish_reason=finish,
-                    advantage=advantages[len(trajectories)],
+                    extra={"advantage": advantages[len(trajectories)]},  # the test's own column
                 )
             )
     return trajectories
+
+
+def tensors_of(rows: list[Trajectory], device="cpu", **kwargs):
+    """build_step_tensors with each row's advantage (make_trajectories keeps it in `extra`)."""
+    return build_step_tensors(rows, device, advantages=[t.extra["advantage"] for t in rows], **kwargs)
 
 
 class GradRecorder:
@@ -189,36 +194,31 @@ def model():
 def tensors(model):
     """Step tensors with old log-probs 0.3-ish away from the current ones (clipping acts) and a
     reference policy further away (the KL term has a gradient)."""
-    tensors = build_step_tensors(
-        make_trajectories(model.config.vocab_size), "cpu", mask_truncated=True, pad_token_id=0
-    )
+    tensors = tensors_of(make_trajectories(model.config.vocab_size), mask_truncated=True, pad_token_id=0)
     with torch.no_grad():
         lp, _ = reference_log_probs(
             model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE
         )
     gen = torch.Generator().manual_seed(11)
     real = tensors.response_mask.bool()
-    tensors.old_log_probs = torch.where(
-        real, lp + 0.3 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
-    ).float()
-    tensors.ref_log_probs = torch.where(
-        real, lp + 0.5 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
-    ).float()
-    return tensors
+    old = torch.where(real, lp + 0.3 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0).float()
+    ref = torch.where(real, lp + 0.5 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0).float()
+    return dataclasses.replace(tensors, old_log_probs=old, ref_log_probs=ref)
 
 
 def test_build_step_tensors():
     trajectories = make_trajectories(50)
     trajectories.append(
         Trajectory(
-            sample=trajectories[0].sample, index=9, prompt_ids=[3, 4], finish_reason="length", advantage=0.5
+            sample=trajectories[0].sample, index=9, prompt_ids=[3, 4], finish_reason="length", extra={"advantage": 0.5}
         )
     )  # an empty response
     for mask_truncated in (True, False):
-        t = build_step_tensors(trajectories, "cpu", mask_truncated=mask_truncated, pad_token_id=7)
+        t = tensors_of(trajectories, mask_truncated=mask_truncated, pad_token_id=7)
+        assert build_step_tensors(trajectories, "cpu", mask_truncated=mask_truncated, pad_token_id=7).advantages is None
         assert t.response_ids.shape == t.response_mask.shape == t.loss_mask.shape == (N_ROWS + 1, 6)
         assert t.prompt_ids == [tr.prompt_ids for tr in trajectories]
-        torch.testing.assert_close(t.advantages, torch.tensor([tr.advantage for tr in trajectories]))
+        torch.testing.assert_close(t.advantages, torch.tensor([tr.extra["advantage"] for tr in trajectories]))
         for i, tr in enumerate(trajectories):
             r = len(tr.response_ids)
             assert t.response_ids[i, :r].tolist() == tr.response_ids and (t.response_ids[i, r:] == 7).all()
@@ -303,8 +303,7 @@ def test_detached_current_log_probs_equal_explicit_old_log_probs(model, tensors)
     weights = {}
     for explicit in (False, True):
         policy = copy.deepcopy(model)
-        step = copy.copy(tensors)
-        step.old_log_probs = updater.score_all(policy, step) if explicit else None
+        step = dataclasses.replace(tensors, old_log_probs=updater.score_all(policy, tensors) if explicit else None)
         params = list(policy.parameters())
         optimizer = torch.optim.SGD(params, lr=0.5)
         updater.update(policy, optimizer, CountingScheduler(), step, 2, params)
@@ -319,8 +318,7 @@ def test_nan_advantage_skips_the_step(model, tensors):
     policy = copy.deepcopy(model)
     params = list(policy.parameters())
     before = [p.detach().clone() for p in params]
-    step = copy.copy(tensors)
-    step.advantages = tensors.advantages.clone()
+    step = dataclasses.replace(tensors, advantages=tensors.advantages.clone())
     step.advantages[1] = float("nan")
     scheduler = CountingScheduler()
     optimizer = torch.optim.SGD(params, lr=0.5)
@@ -340,8 +338,7 @@ def test_nan_advantage_skips_the_step(model, tensors):
 
 def test_nan_advantage_of_a_row_without_loss_tokens_does_not_skip_the_step(model, tensors):
     assert tensors.loss_mask[3].sum() == 0  # the masked truncated row
-    step = copy.copy(tensors)
-    step.advantages = tensors.advantages.clone()
+    step = dataclasses.replace(tensors, advantages=tensors.advantages.clone())
     step.advantages[3] = float("nan")
     steps, metrics = accumulated_grads(model, step, actor_config())
     assert metrics["actor/skipped_steps"] == 0
@@ -354,15 +351,16 @@ def test_masked_positions_contribute_nothing(model, tensors, mode):
     may be anything: the gradient does not change."""
     cfg = actor_config(loss_agg_mode=mode, entropy_coef=0.05, kl_loss_coef=0.2)
     steps, _ = accumulated_grads(model, tensors, cfg)
-    garbage = copy.copy(tensors)
     outside = tensors.loss_mask == 0
-    garbage.old_log_probs = tensors.old_log_probs.masked_fill(outside, 30.0)
-    garbage.ref_log_probs = tensors.ref_log_probs.masked_fill(outside, -30.0)
+    garbage = dataclasses.replace(
+        tensors,
+        old_log_probs=tensors.old_log_probs.masked_fill(outside, 30.0),
+        ref_log_probs=tensors.ref_log_probs.masked_fill(outside, -30.0),
+    )
     garbage_steps, _ = accumulated_grads(model, garbage, cfg)
     assert max_relative_difference(garbage_steps[0], steps[0]) < 1e-12
     # the loss mask is what matters: let the observation tokens in and the gradient moves
-    unmasked = copy.copy(tensors)
-    unmasked.loss_mask = tensors.response_mask.float()
+    unmasked = dataclasses.replace(tensors, loss_mask=tensors.response_mask.float())
     unmasked_steps, _ = accumulated_grads(model, unmasked, cfg)
     assert max_relative_difference(unmasked_steps[0], steps[0]) > 1e-3
 
@@ -379,7 +377,7 @@ def test_masked_truncated_row_is_as_if_absent(model, mode):
         ("absent", [t for t in trajectories if not t.truncated], True),
         ("kept", trajectories, False),
     ):
-        tensors = build_step_tensors(rows, "cpu", mask_truncated=mask_truncated, pad_token_id=0)
+        tensors = tensors_of(rows, mask_truncated=mask_truncated, pad_token_id=0)
         grads[name] = accumulated_grads(model, tensors, cfg)[0]
         assert len(grads[name]) == 1
     assert max_relative_difference(grads["masked"][0], grads["absent"][0]) < 1e-10
@@ -409,8 +407,7 @@ def test_entropy_and_kl_terms_change_the_gradient_as_built_by_hand(model, tensor
     # a bonus: the loss goes down as the entropy goes up
     assert_grads_close([a - b for a, b in zip(with_entropy, plain)], [-0.3 * g for g in entropy_grad], 1e-8)
     # no reference log-probs: no KL term, whatever the coefficient
-    no_ref = copy.copy(tensors)
-    no_ref.ref_log_probs = None
+    no_ref = dataclasses.replace(tensors, ref_log_probs=None)
     steps, metrics = accumulated_grads(model, no_ref, actor_config(**{**base.__dict__, "kl_loss_coef": 0.4}))
     assert max_relative_difference(steps[0], plain) < 1e-12 and "actor/kl_loss" not in metrics
 
@@ -465,7 +462,7 @@ def test_bf16_autocast_keeps_float32_weights_and_gradients_close_to_float32():
     """Mixed precision: forward in bf16 (the LM head's logits upcast), gradients land on the
     float32 master weights, and the numbers stay within bf16's precision of the float32 ones."""
     model, _ = tiny_model_and_tokenizer(dtype=torch.float32, seed=5)
-    tensors = build_step_tensors(make_trajectories(model.config.vocab_size), "cpu", mask_truncated=True, pad_token_id=0)
+    tensors = tensors_of(make_trajectories(model.config.vocab_size), mask_truncated=True, pad_token_id=0)
     cfg = actor_config(loss_agg_mode="seq-mean-token-mean")
     results = {}
     for compute_dtype in (None, torch.bfloat16):
@@ -516,9 +513,7 @@ def test_prompts_sharing_an_opening_run_it_once_with_the_same_gradient(model, mi
     scoring pass too gives the full-sequence log-probs."""
     import grouprl.trainer.update as update_module
 
-    tensors = build_step_tensors(
-        make_trajectories(model.config.vocab_size, opening=20), "cpu", mask_truncated=True, pad_token_id=0
-    )
+    tensors = tensors_of(make_trajectories(model.config.vocab_size, opening=20), mask_truncated=True, pad_token_id=0)
     openings = []
     real_prefix_forward = update_module.prefix_forward
     monkeypatch.setattr(
@@ -554,15 +549,15 @@ def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_pol
     log-probs (on-policy: the update's own detached ones), whatever the micro-batch size. On
     policy, the update hands back the log-probs it used as old (for the mismatch metrics), and
     writes nothing into the tensors it was given."""
-    step = copy.copy(tensors)
     with torch.no_grad():
-        lp, _ = reference_log_probs(model, step.prompt_ids, step.response_ids, step.response_mask, TEMPERATURE)
+        lp, _ = reference_log_probs(model, tensors.prompt_ids, tensors.response_ids, tensors.response_mask, TEMPERATURE)
     gen = torch.Generator().manual_seed(13)
-    step.rollout_log_probs = torch.where(
-        step.response_mask.bool(), lp + 0.2 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
+    rollout = torch.where(
+        tensors.response_mask.bool(), lp + 0.2 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype), 0.0
     ).float()
-    if on_policy:
-        step.old_log_probs = None
+    step = dataclasses.replace(
+        tensors, rollout_log_probs=rollout, old_log_probs=None if on_policy else tensors.old_log_probs
+    )
     cfg = actor_config(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.05)
     cap = {"token": 1.1, "sequence": 1.1, "geometric": 1.02}[level]
     weights, _, metrics = rollout_correction(
@@ -574,7 +569,7 @@ def test_rollout_importance_weights_scale_the_loss(model, tensors, level, on_pol
     plain = hand_built_grads(model, step, cfg)
     assert max_relative_difference(expected, plain) > 1e-2  # the weights matter
     for micro in (1, 3, N_ROWS):
-        run = copy.copy(step)
+        run = step  # frozen: the update cannot write it
         steps, _, old = accumulated_grads(
             model, run, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}),
             with_old=True, rollout_is=level, rollout_is_cap=cap,
@@ -596,12 +591,11 @@ def test_importance_masking_takes_samples_out_of_the_loss_and_its_denominator(mo
     sequence count) no longer counts them; the rest are weighted by their ratio. The gradient
     equals the hand-built loss over the kept mask, whatever the micro-batch size; a zero weight
     that leaves them counted in the denominator gives another gradient."""
-    step = copy.copy(tensors)  # old log-probs given (mask mode needs them before the update)
-    gen = torch.Generator().manual_seed(17)
-    real = step.response_mask.bool()
-    step.rollout_log_probs = torch.where(
-        real, step.old_log_probs + 0.2 * torch.randn(step.old_log_probs.shape, generator=gen), 0.0
-    )
+    gen = torch.Generator().manual_seed(17)  # old log-probs given (mask mode needs them before the update)
+    real = tensors.response_mask.bool()
+    step = dataclasses.replace(tensors, rollout_log_probs=torch.where(
+        real, tensors.old_log_probs + 0.2 * torch.randn(tensors.old_log_probs.shape, generator=gen), 0.0
+    ))  # fmt: skip
     cfg = actor_config(loss_agg_mode=mode, entropy_coef=0.05)
     _, keep, metrics = rollout_correction(
         level, "mask", step.old_log_probs.double(), step.rollout_log_probs.double(), step.loss_mask, upper=cap
@@ -630,8 +624,7 @@ def test_importance_masking_takes_samples_out_of_the_loss_and_its_denominator(mo
 
 
 def test_importance_masking_needs_the_rejection_before_the_update(model, tensors):
-    step = copy.copy(tensors)
-    step.rollout_log_probs = step.old_log_probs.clone()
+    step = dataclasses.replace(tensors, rollout_log_probs=tensors.old_log_probs.clone())
     updater = PolicyUpdater(actor_config(), temperature=TEMPERATURE, pad_token_id=0, rollout_is="token",
                             rollout_is_mode="mask", rollout_is_cap=1.5)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -652,11 +645,11 @@ def test_sum_norm_divides_by_the_configured_length_whatever_the_batch_width(mode
             model, tensors, actor_config(**{**cfg.__dict__, "micro_batch_size": micro}), norm_length=40.0
         )
         assert_grads_close(steps[0], expected, 1e-8)
-    wide = copy.copy(tensors)
     pad = lambda t: torch.nn.functional.pad(t, (0, 4))  # noqa: E731
-    wide.response_ids, wide.response_mask, wide.loss_mask = (
-        pad(tensors.response_ids), pad(tensors.response_mask), pad(tensors.loss_mask)
-    )
-    wide.old_log_probs, wide.ref_log_probs = pad(tensors.old_log_probs), pad(tensors.ref_log_probs)
+    wide = dataclasses.replace(
+        tensors,
+        response_ids=pad(tensors.response_ids), response_mask=pad(tensors.response_mask), loss_mask=pad(tensors.loss_mask),
+        old_log_probs=pad(tensors.old_log_probs), ref_log_probs=pad(tensors.ref_log_probs),
+    )  # fmt: skip
     steps, _ = accumulated_grads(model, wide, cfg, norm_length=40.0)
     assert_grads_close(steps[0], expected, 1e-8)

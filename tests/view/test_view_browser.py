@@ -20,9 +20,9 @@ import yaml
 from PIL import Image
 
 from grouprl.config import load_config
-from grouprl.data.tasks.slides_files import write_slides_task
 from grouprl.retriever.index import build_index
 from grouprl.retriever.service import BackgroundServer
+from grouprl.rollout.gold import write_slides_task
 from grouprl.trainer.trainer import Trainer
 from grouprl.view.app import create_app
 from grouprl.view.runs import open_runs

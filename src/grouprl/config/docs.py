@@ -122,3 +122,39 @@ def explain_key(key: str) -> list[str]:
         raise unknown_key(f"{section}." if section else "", leaf, siblings) if section else ConfigError(f"unknown config key '{key}'")
     checks = rules_for(key) if any(line.startswith(f"{key} = ") for line in chosen) else []
     return chosen + [f"  checked: {c}" for c in checks]
+
+
+def settings_page(cls: type = Config, prefix: str = "", depth: int = 2) -> list[str]:
+    """The docs site's settings reference (docs/reference/settings.md) in Markdown: a section per
+    settings section, a row per setting (key, default, meaning, verl and TRL names), made from
+    the same fields and table as `--explain` (`python -m grouprl.config.docs` prints it)."""
+    lines = ["# Settings", "", "Every setting, its default and what it means; generated from the settings' own",
+             "docstrings and the verl/TRL name table (`grouprl train --explain KEY` shows one, with the",
+             "checks that name it)."] if not prefix else []  # fmt: skip
+    docs, hints, rows, nested = field_docs(cls), typing.get_type_hints(cls), [], []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested.append((key, hints[f.name], docs.get(f.name, "")))
+            continue
+        names = "; ".join(source_names(key))
+        default = to_dict(field_default(cls, f.name))
+        rows.append(f"| `{key}` | `{default!r}` | {_cell(docs.get(f.name, ''))} | {_cell(names)} |")
+        item = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is list else None
+        if dataclasses.is_dataclass(item):
+            nested.append((key + "[]", item, f"each entry of `{key}`"))
+    if rows:
+        lines += ["", "| key | default | meaning | verl / TRL |", "|---|---|---|---|", *rows]
+    for key, sub, doc in nested:
+        lines += ["", f"{'#' * depth} `{key}`", "", _cell(doc)]
+        lines += settings_page(sub, key + ".", min(depth + 1, 4))
+    return lines
+
+
+def _cell(text: str) -> str:
+    """Text fit for a Markdown table cell: one line, pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    print("\n".join(settings_page()))

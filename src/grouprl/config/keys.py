@@ -72,7 +72,7 @@ def unknown_key(prefix: str, key: str, names: list[str], rest: str = "") -> Conf
     hint = f"; did you mean {' or '.join(suggestions)}?" if suggestions else ""
     verl_roots = {name.split(".")[0] for name in VERL_KEYS} - {f.name for f in dataclasses.fields(Config)}
     if verl or full.split(".")[0] in verl_roots:
-        unmapped = ": not a verl name grouprl reads (README, Coming from verl or TRL, lists those it does)"
+        unmapped = ": not a verl name grouprl reads (docs/verl-trl.md lists those it does)"
         return ConfigError(f"unknown config key '{full}'{hint or unmapped}")
     section = prefix.rstrip(".") or "the top level"
     return ConfigError(f"unknown config key '{prefix}{key}'{hint or ';'} allowed in {section}: {', '.join(names)}")

@@ -52,8 +52,8 @@ def _engine_shards(cfg: Config) -> None:
         cfg.rollout.tensor_parallel_size == 1 or cfg.rollout.engine != "vllm",
         "config key 'rollout.tensor_parallel_size' must be 1: every rank runs its own vllm engine in its "
         "process, holding the whole model on its GPU, so the model's bf16 weights, its KV cache and the rank's "
-        "shards must fit one GPU (the weights take about 2 bytes a parameter, 15 GB for a 7B model; README's "
-        "memory plan); an engine sharded over several GPUs is not supported",
+        "shards must fit one GPU (the weights take about 2 bytes a parameter, 15 GB for a 7B model; docs/scale/memory.md, "
+        "the memory plan); an engine sharded over several GPUs is not supported",
     )
 
 

@@ -252,7 +252,7 @@ class _Translation:
                 report.notes.append("rollout.engine: vllm in place of sglang (grouprl's serving engine)")
             if key == "actor_rollout_ref.rollout.multi_turn.enable" and truthy(value):
                 report.notes.append("agent.enabled: grouprl's agent speaks its own protocol (<search>, <bbox>, "
-                                    "<search_complete>) rather than verl's tool calls; see README, Search agent")  # fmt: skip
+                                    "<search_complete>) rather than verl's tool calls; see docs/guide/search-agent.md")  # fmt: skip
 
     def translate_trl(self, key: str, value: Any) -> None:
         try:
@@ -386,7 +386,7 @@ def hint(key: str) -> str:
     if near:
         target = VERL_KEYS.get(near[0])
         return f"did you mean {near[0]}{f' ({target})' if target and target != near[0] else ''}?"
-    return "nothing in grouprl reads it (README, Coming from verl or TRL: the names grouprl reads)"
+    return "nothing in grouprl reads it (docs/verl-trl.md: the verl names grouprl reads)"
 
 
 ONLY_BASH = "its value needs what only bash knows (an unset variable, an argument, a command's output): set it by hand"

@@ -4,7 +4,7 @@ grouprl's settings, and TRL's defaults where a script is silent (TRL 0.2x's GRPO
 1e-6 on a linear schedule without warm-up, 3 epochs; the batch one process makes: 8 completions
 a step, so one prompt of 8 samples).
 
-TRL_KEYS: a TRL name -> what it becomes, in words (README's table); `trl_values` does it.
+TRL_KEYS: a TRL name -> what it becomes, in words (the docs' table, docs/verl-trl.md); `trl_values` does it.
 """
 
 from __future__ import annotations

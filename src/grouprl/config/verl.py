@@ -1,5 +1,5 @@
 """verl's (and VRAG's) names for grouprl's settings: the one translation table that `grouprl
-train`'s overrides, `grouprl convert` (the translator in translate.py) and README's mapping are made from.
+train`'s overrides, `grouprl convert` (the translator in translate.py) and the docs' mapping (docs/verl-trl.md) are made from.
 
 VERL_KEYS: a verl key -> the grouprl key it sets; VALUES: how its value becomes grouprl's;
 NO_EFFECT: verl keys grouprl has no use for, and why; GATES: verl's switches on another key;

@@ -118,7 +118,7 @@ def _train_files(items: list[str]) -> list[str]:
 
 
 def mapping_table() -> list[str]:
-    """README's table of verl names (made from the translation table; a test keeps them equal)."""
+    """The docs' table of verl names (docs/verl-trl.md) (made from the translation table; a test keeps them equal)."""
     rows = ["| verl / VRAG key | grouprl setting |", "|---|---|"]
     rows += [f"| `{verl}` | `{ours}` |" for verl, ours in sorted(VERL_KEYS.items())]
     rows += [f"| `{gate}` | gates `{ours}` (false: 0) |" for gate, (_, ours) in sorted(GATES.items())]

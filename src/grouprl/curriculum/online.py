@@ -98,7 +98,9 @@ class OnlineCurriculum:
         priors = [_prior(s.extra_info) for s in samples] if config.init_from_build else None
         return cls([s.uid for s in samples], batch_size, config, seed, priors)
 
-    # -- sampler interface ---------------------------------------------------------------
+    # -- sampler interface (grouprl.data.sampler.Sampler) -----------------------------------
+    learns_from_rewards = True  # the loop feeds back every scored group; dynamic filtering draws more
+
     @property
     def epoch(self) -> int:
         """Prompts drawn so far // dataset size."""
@@ -126,6 +128,10 @@ class OnlineCurriculum:
             batch.append(self._take(pool, in_call[pool]))
         self._drawn_total += k
         return batch
+
+    def more(self, k: int) -> list[int]:
+        """k more prompts of the same step (a refill does not count a step)."""
+        return self.draw(k)
 
     # -- feedback ------------------------------------------------------------------------
     def update(self, uid_or_index: str | int, rewards: Sequence[float]) -> None:

@@ -2,13 +2,52 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from grouprl.errors import ConfigError
 
 MODES = ("random", "sequential")
+
+
+class Sampler(Protocol):
+    """What the training loop asks of whatever picks a step's prompts: `PromptSampler` (random or
+    sequential epochs) or the online curriculum (grouprl.curriculum.OnlineCurriculum), which
+    learns from each scored group. Nothing outside this file and the curriculum asks which one
+    it has: `learns_from_rewards` says what the loop must feed back."""
+
+    # the loop hands it every scored group (`update`), a dynamic-filtering step's selection
+    # (`note_selection`), and logs its `metrics()`; dynamic filtering needs it
+    learns_from_rewards: bool
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the prompts (train/epoch)."""
+        ...
+
+    def steps_for_epochs(self, epochs: float) -> int: ...
+
+    def next_batch(self) -> list[int]:
+        """The next step's prompt indices."""
+        ...
+
+    def more(self, k: int) -> list[int]:
+        """Indices for `k` more prompts within the same step (prompts redrawn for skipped ones,
+        dynamic filtering's refills); a sampler may give more, and the caller takes what it needs."""
+        ...
+
+    def update(self, uid: str, rewards: list[float]) -> None:
+        """One scored group's rewards (a sampler that does not learn ignores them)."""
+        ...
+
+    def note_selection(self, selection: Any) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class PromptSampler:
@@ -19,7 +58,10 @@ class PromptSampler:
     sequential: 0..N-1 every epoch, never shuffled (verl's shuffle=False).
     A batch that reaches the end of an epoch is completed from the start of the next one, so
     every batch has exactly `batch_size` indices (a batch larger than the dataset repeats some).
+    It learns nothing from rewards (`Sampler.learns_from_rewards` False).
     """
+
+    learns_from_rewards = False
 
     def __init__(
         self,
@@ -87,6 +129,19 @@ class PromptSampler:
                 self._epoch += 1
                 self._position = 0
         return batch
+
+    def more(self, k: int) -> list[int]:
+        """Prompts within the same step: its next whole batch (the caller takes the first it needs)."""
+        return self.next_batch()
+
+    def update(self, uid: str, rewards: list[float]) -> None:
+        """Rewards teach a plain sampler nothing."""
+
+    def note_selection(self, selection: Any) -> None:
+        """Dynamic filtering needs the curriculum; a plain sampler has nothing to count."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -440,6 +440,9 @@ class CompositeReward:
                 formatted += 1
             total = 0.0
             for component, value in zip(self.components, row):
+                if isinstance(value, DrawnImage):  # a reward model drew it: the record names the file
+                    trajectory.artifacts[value.model] = value.path
+                    value = value.score
                 if value is _GATED:
                     gated[component.name] += 1
                     value = 0.0
@@ -462,6 +465,7 @@ class CompositeReward:
                 trajectory.rewards[component.name] = value
                 total += component.weight * value
             trajectory.reward = total
+            trajectory.seal()  # scored: read-only from here (rollout/trajectory.py)
         metrics = self._metrics(trajectories, errors)
         metrics.update({f"reward/gated/{name}": float(count) for name, count in gated.items()})
         metrics.update({f"reward/not_applicable/{name}": float(count) for name, count in not_applicable.items()})
@@ -524,27 +528,25 @@ class CompositeReward:
         )
 
     def _metrics(self, trajectories: list[Trajectory], errors: dict[str, int]) -> dict[str, float]:
+        """This scoring's tallies (errors, dropped rewards). The batch's reward means are the
+        step's to write, once, over the trajectories it keeps (streaming.batch_summary)."""
         metrics: dict[str, float] = {"reward/errors": float(sum(errors.values()))}
         metrics.update({f"reward/errors/{name}": float(count) for name, count in errors.items()})
-        if not trajectories:
-            return metrics
         dropped = [t for t in trajectories if math.isnan(t.reward)]
         if dropped:
             metrics["reward/dropped"] = float(len(dropped))
             metrics["reward/dropped_groups"] = float(len(groups_to_drop(trajectories)))
-        for component in self.components:
-            finite = [
-                t.rewards[component.name] for t in trajectories if not math.isnan(t.rewards[component.name])
-            ]
-            if finite:
-                metrics[f"reward/{component.name}"] = sum(finite) / len(finite)
-        kept = [t.reward for t in trajectories if not math.isnan(t.reward)]
-        if kept:
-            mean = sum(kept) / len(kept)
-            metrics["reward/mean"] = mean
-            # population std (ddof=0): the spread of this batch, not an estimate of a wider one
-            metrics["reward/std"] = math.sqrt(sum((r - mean) ** 2 for r in kept) / len(kept))
         return metrics
+
+
+@dataclass(frozen=True)
+class DrawnImage:
+    """A reward model's score of an image it drew for a trajectory, and where the image is:
+    the composite writes the path into the trajectory's `artifacts` as it scores it."""
+
+    score: float
+    model: str
+    path: str
 
 
 def _numeric(value: Any) -> float | None:

@@ -7,15 +7,16 @@ Generation runs on the caller's thread; scoring runs on a background thread that
 asyncio event loop, so the judges' HTTP calls of finished groups are in flight while the model
 keeps decoding (torch releases the GIL in its kernels). Rule rewards of a group are computed on
 that thread too, off the decode loop. `finish()` waits for what is still being scored and
-returns the step's reward metrics, plus how much of the reward work was hidden behind
-generation:
+returns the scorings' tallies (`Finished.metrics`: errors, judge calls; the batch's reward
+means are the step's to write, over the groups it keeps: `batch_summary`), plus how much of the
+reward work was hidden behind generation:
 
-    time/reward          wall time the step waited for rewards after generation ended
-    time/reward_span     first group submitted -> last group scored
-    time/reward_hidden   wall time before generation ended during which some group was being
-                         scored (the union of the groups' submitted -> scored intervals): an
-                         agent group scored early, then nothing until the last turn, counts only
-                         its own scoring time
+    reward_s   wall time the step waited for rewards after generation ended (time/reward)
+    span_s     first group submitted -> last group scored
+    hidden_s   wall time before generation ended during which some group was being scored (the
+               union of the groups' submitted -> scored intervals): an agent group scored
+               early, then nothing until the last turn, counts only its own scoring time
+               (time/reward_hidden)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,7 +38,17 @@ _COUNT_SUFFIXES = ("/calls", "/requests", "/cache_hits", "/retries", "/failures"
 
 
 def _is_count(key: str) -> bool:
-    return key.startswith(("reward/errors", "reward/gated/", "reward/not_applicable/")) or key.endswith(_COUNT_SUFFIXES)
+    return key.startswith(("reward/errors", "reward/gated/", "reward/not_applicable/", "reward/dropped")) or key.endswith(_COUNT_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A batch's scorings, once every group is scored: their tallies and the reward time."""
+
+    metrics: dict[str, float]  # the groups' tallies merged (combine): counts summed, means weighted
+    reward_s: float  # waited after generation ended
+    span_s: float  # first group submitted -> last group scored
+    hidden_s: float  # scoring time before generation ended
 
 
 class StreamingRewards:
@@ -59,8 +71,8 @@ class StreamingRewards:
         """Start scoring one finished group (its trajectories are scored in place)."""
         self._batch.submit(group)
 
-    def finish(self, generation_end: float | None = None) -> dict[str, float]:
-        """Wait for every group submitted since the last finish; their merged metrics."""
+    def finish(self, generation_end: float | None = None) -> Finished:
+        """Wait for every group submitted since the last finish; their merged tallies."""
         return self._batch.finish(generation_end)
 
     def close(self) -> None:
@@ -90,28 +102,21 @@ class RewardBatch:
         finally:
             interval[1] = time.perf_counter()
 
-    def finish(self, generation_end: float | None = None) -> dict[str, float]:
-        """Wait for every submitted group; the merged metrics of this batch. `generation_end`
-        (perf_counter) is when generation finished, for the hidden-time metrics."""
+    def finish(self, generation_end: float | None = None) -> Finished:
+        """Wait for every submitted group; this batch's merged tallies and reward time.
+        `generation_end` (perf_counter) is when generation finished, for the hidden time."""
         generation_end = time.perf_counter() if generation_end is None else generation_end
-        parts = []
-        trajectories: list[Trajectory] = []
-        for group, future in self._pending:
-            metrics = future.result()  # a reward component's fault is already a fallback, not raised
-            trajectories += group
-            # reward means are recomputed over the whole batch below
-            kept = {k: v for k, v in metrics.items() if _is_count(k) or not k.startswith("reward/") or k.startswith("reward/logged/")}
-            parts.append((len(group), kept))
-        merged = combine(parts)
-        merged.update(batch_summary(trajectories))
+        parts = [(len(group), future.result()) for group, future in self._pending]  # a component's fault is already a fallback
         done = time.perf_counter()
         intervals = sorted((start, min(end, done)) for start, end in self._intervals)
-        merged["time/reward"] = max(0.0, done - generation_end)
         first = intervals[0][0] if intervals else done
-        merged["time/reward_span"] = max((end for _, end in intervals), default=first) - first
-        merged["time/reward_hidden"] = _covered(intervals, generation_end)
         self._pending, self._intervals = [], []
-        return merged
+        return Finished(
+            metrics=combine(parts),
+            reward_s=max(0.0, done - generation_end),
+            span_s=max((end for _, end in intervals), default=first) - first,
+            hidden_s=_covered(intervals, generation_end),
+        )
 
 
 def combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:

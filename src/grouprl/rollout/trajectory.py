@@ -1,9 +1,18 @@
-"""What generation produces: token ids with a per-token loss mask, and what rewards add."""
+"""What generation produces: token ids with a per-token loss mask, and what rewards add.
+
+A trajectory has two writers, in order: the rollout that builds it (engine or agent, which also
+records the policy version that sampled it) and the reward that scores it (`rewards`, `reward`,
+the files a reward model drew in `artifacts`, what a TRL-style reward logged in `extra`). The
+reward then seals it (`seal()`): from there its fields, lists and dicts are read-only, so what
+the update trains on, the logs record and the curriculum learns from is one and the same record.
+Advantages are not a trajectory's: they live in the update's tensors (`StepTensors`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from grouprl.data.sample import Sample
 
@@ -42,7 +51,21 @@ class Trajectory:
     artifacts: dict[str, str] = field(default_factory=dict)  # files reward models made (model -> image path)
     extra: dict[str, Any] = field(default_factory=dict)  # columns a TRL-style reward logged (log_extra)
     reward: float = 0.0  # composite
-    advantage: float = 0.0
+    sealed: bool = field(default=False, init=False, repr=False, compare=False)  # scored: read-only from here
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("sealed"):
+            raise SealedError(f"trajectory {self.uid!r}/{self.index} is scored and sealed: its {name} cannot change")
+        object.__setattr__(self, name, value)
+
+    def seal(self) -> None:
+        """Scoring is done: every field, list and dict becomes read-only (a copy made with
+        `dataclasses.replace` starts unsealed, e.g. a pad with its loss mask zeroed)."""
+        if self.sealed:
+            return
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, frozen(getattr(self, f.name)))
+        object.__setattr__(self, "sealed", True)
 
     @property
     def uid(self) -> str:
@@ -55,3 +78,41 @@ class Trajectory:
     @property
     def num_policy_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+class SealedError(AttributeError):
+    """A write to a trajectory (or one of its lists or dicts) after it was scored."""
+
+
+def _refuse(self, *args, **kwargs) -> NoReturn:
+    raise SealedError("a scored trajectory's records are read-only")
+
+
+class FrozenList(list):
+    """A list that refuses every change (equal to the list it was made from; pickles as one)."""
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+
+    def __reduce__(self):
+        return FrozenList, (list(self),)
+
+
+class FrozenDict(dict):
+    """A dict that refuses every change (equal to the dict it was made from; pickles as one)."""
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self),)
+
+
+def frozen(value: Any) -> Any:
+    """`value` with its lists and dicts made read-only, down to the plain values in them
+    (images, samples and other objects are left as they are)."""
+    if isinstance(value, list) and not isinstance(value, FrozenList):
+        return FrozenList(frozen(v) for v in value)
+    if isinstance(value, dict) and not isinstance(value, FrozenDict):
+        return FrozenDict({k: frozen(v) for k, v in value.items()})
+    return value

@@ -213,8 +213,8 @@ class RolloutWriter:
         self.file = open(path, "a", buffering=1)
         self.run = run
 
-    def write(self, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str]) -> None:
-        self.write_lines(self.lines(self.run, step, trajectories, prompt_texts))
+    def write(self, step: int, trajectories: list[Trajectory], prompt_texts: dict[str, str], advantages=()) -> None:
+        self.write_lines(self.lines(self.run, step, trajectories, prompt_texts, advantages=advantages))
 
     def write_lines(self, lines: list[str]) -> None:
         if lines:
@@ -227,13 +227,15 @@ class RolloutWriter:
         trajectories: list[Trajectory],
         prompt_texts: dict[str, str],
         images_dir: Path | None = None,
+        advantages: tuple[float, ...] | list[float] = (),
     ) -> list[str]:
         """The trajectories' records (JSON lines). Images reward models drew for a trajectory
         are copied to `images_dir/step_N/` and named in its record, and the page files its turns
         showed or cropped to `images_dir/pages/` (once a run: pages recur) and named in their
-        turn records (`page`; paths relative to the run), so a run folder holds what its policy saw."""
+        turn records (`page`; paths relative to the run), so a run folder holds what its policy saw.
+        `advantages`: each trajectory's (the learner's); none: the step made no update (null)."""
         lines = []
-        for t in trajectories:
+        for k, t in enumerate(trajectories):
             images = {}
             if t.artifacts and images_dir is not None:
                 folder = Path(images_dir) / f"step_{step}"
@@ -253,7 +255,7 @@ class RolloutWriter:
                 "retrieved": t.retrieved,
                 "rewards": {k: clean(v) for k, v in t.rewards.items()},
                 "reward": clean(t.reward),
-                "advantage": clean(t.advantage),
+                "advantage": clean(advantages[k]) if k < len(advantages) else None,
                 "response_tokens": len(t.response_ids),
                 "truncated": t.truncated,
                 "finish_reason": t.finish_reason,

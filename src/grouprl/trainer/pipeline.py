@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.devices import use_device
 from grouprl.trainer.parallel import full_tensor
 from grouprl.trainer.step import Collector
@@ -86,7 +85,7 @@ class RolloutPipeline:
         # start does not reset the judges' tallies (each check counts the calls since the last)
         self.collector = Collector(cfg, generation, judge_tallies_per_batch=False)
         self.sampler = parts.sampler
-        self.reward_dependent = isinstance(parts.sampler, OnlineCurriculum)
+        self.reward_dependent = parts.sampler.learns_from_rewards
         if ahead.agent is not None and not self.fixed:  # partial rollouts: newer weights between turns
             ahead.agent.before_turn = self._between_turns
         self.first, self.total = first_step, total_steps

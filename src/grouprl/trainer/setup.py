@@ -22,6 +22,7 @@ import torch
 from grouprl.config import Config
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
+from grouprl.data.sampler import Sampler
 from grouprl.devices import own_device
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
@@ -246,7 +247,7 @@ class Parts:
     train_prompts: list[list[int] | None]
     val_prompts: list[list[int] | None]
     prompt_stats: dict[str, float]
-    sampler: PromptSampler | OnlineCurriculum
+    sampler: Sampler  # PromptSampler, or the online curriculum
     total_steps: int
     ref_model: torch.nn.Module | str | None  # a frozen copy, "adapters-disabled" (LoRA), or none
     policy: torch.nn.Module  # what the update runs: the model, or its FSDP2 root over several ranks
@@ -280,7 +281,7 @@ class Ahead:
     ranks: Ranks  # the same ranks over a group of the rollout threads' own (Ranks.fork)
 
 
-def make_sampler(cfg: Config, train_samples: list[Sample]) -> PromptSampler | OnlineCurriculum:
+def make_sampler(cfg: Config, train_samples: list[Sample]) -> Sampler:
     if cfg.data.sampler == "curriculum":  # draws by difficulty bucket, learns from each group
         return OnlineCurriculum.from_samples(train_samples, cfg.data.train_batch_size, cfg.curriculum, cfg.trainer.seed)
     return PromptSampler(len(train_samples), cfg.data.train_batch_size, cfg.data.sampler, cfg.trainer.seed)

@@ -157,7 +157,7 @@ def load_sft_conversations(
                 for i, r in enumerate(conversations(s.task_val_size, s.task_seed, "val"))
             ],
         )
-    from grouprl.data.tasks.slides_files import write_slides_task
+    from grouprl.rollout.gold import write_slides_task
 
     folder = Path(s.task_dir) if s.task_dir else Path(s.output_dir) / "data"
     files = write_slides_task(

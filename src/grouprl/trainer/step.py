@@ -36,7 +36,6 @@ from grouprl.algorithms import (
 )
 from grouprl.config import Config
 from grouprl.curriculum.filtering import prompts_to_draw, select_groups
-from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import Sample
 from grouprl.devices import release_cached_memory
 from grouprl.errors import ModelLoadError
@@ -46,9 +45,19 @@ from grouprl.rewards.streaming import batch_summary, combine
 from grouprl.rollout.engines import SamplingParams, rollout_phase
 from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.metric_parts import merge
 from grouprl.trainer.models import autocast
 from grouprl.trainer.parallel import gathered, reduce_metrics, state_gb
-from grouprl.trainer.step_batch import Generated, Group, Loaded, Pending, Settled, StepBatch, staleness
+from grouprl.trainer.step_batch import (
+    Generated,
+    Group,
+    Learned,
+    Loaded,
+    Pending,
+    Settled,
+    StepBatch,
+    staleness,
+)
 from grouprl.trainer.update import StepTensors, build_step_tensors
 
 log = logging.getLogger(__name__)
@@ -76,8 +85,9 @@ def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
     only some ranks have (a judge's scores where one rank's calls all failed) is no error."""
     if not ranks.distributed:
         return reduce_metrics(metrics, ranks)
-    scored = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(("reward/", "judge/"))]}
-    return {**reduce_metrics(metrics, ranks), **combine(ranks.gather((1.0, scored)))}
+    scored = {k: v for k, v in metrics.items() if k.startswith(("reward/", "judge/"))}
+    rest = {k: v for k, v in metrics.items() if k not in scored}
+    return merge(reduce_metrics(rest, ranks), combine(ranks.gather((1.0, scored))))
 
 
 class Collector:
@@ -154,8 +164,8 @@ class Collector:
         while len(samples) < want:  # skipped (over-long) prompts are redrawn
             if first:
                 drawn, first = p.sampler.next_batch(), False
-            else:  # a refill is part of the same step: the curriculum's draw() does not count a step
-                drawn = p.sampler.draw(want - len(samples)) if hasattr(p.sampler, "draw") else p.sampler.next_batch()
+            else:  # a refill is part of the same step (it does not count one)
+                drawn = p.sampler.more(want - len(samples))
             for i in drawn:
                 if p.train_prompts[i] is not None and len(samples) < want:
                     samples.append(p.train_samples[i])
@@ -197,7 +207,7 @@ class Collector:
         )
         with rollout_phase(p.engine):
             pending.generated = self._generate(pending, pending.groups, mine)
-            if isinstance(p.sampler, OnlineCurriculum) and self.cfg.curriculum.dynamic_filter:
+            if p.sampler.learns_from_rewards and self.cfg.curriculum.dynamic_filter:
                 pending.settled = self._settle(pending)  # refills: generated within this rollout
                 pending.epoch = float(p.sampler.epoch)  # after the refills' draws
         return pending
@@ -206,20 +216,20 @@ class Collector:
         """The second half: wait for the rewards, then judge failures, dropped groups and the
         curriculum's tracker; the StepBatch learn takes."""
         settled = pending.settled if pending.settled is not None else self._settle(pending)
-        metrics = {
-            **settled.metrics,
-            **self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
-            "train/epoch": pending.epoch,
-            **self.p.prompt_stats,
-        }
-        if pending.loaded is not None:
-            real = [t for g in settled.groups if g.place is not None for t in g.trajectories]
-            metrics.update(staleness(pending.step, pending.version, real, pending.loaded))
+        real = [t for g in settled.groups if g.place is not None for t in g.trajectories]
+        metrics = merge(
+            settled.metrics,
+            self.p.reward.step_metrics(),  # reward models: items, batches, busy time, queue
+            {"train/epoch": pending.epoch},
+            self.p.prompt_stats,
+            staleness(pending.step, pending.version, real, pending.loaded) if pending.loaded is not None else {},
+        )
         return StepBatch(
             step=pending.step,
             version=pending.version,
             groups=settled.groups,
             dropped_groups=settled.dropped_groups,
+            reward_errors=int(settled.metrics.get("reward/errors", 0)),  # the scoring tallies' count
             metrics=MappingProxyType(metrics),
             started=pending.started,
             pushed_before=pending.pushed_before,
@@ -235,7 +245,16 @@ class Collector:
         if hasattr(p.reward, "progress"):  # TRL-style rewards read it as trainer_state
             p.reward.progress = dataclasses.replace(p.reward.progress, global_step=pending.step, epoch=float(pending.epoch or 0.0))
         stream = p.streaming.open() if p.streaming is not None else None
-        on_group = stream.submit if stream is not None else None
+
+        def stamped(group: list[Trajectory]) -> list[Trajectory]:
+            """The version that sampled them, before they go to be scored (and are sealed); an
+            agent's trajectories carry their first turn's already."""
+            for t in group:
+                if t.version is None:
+                    t.version = pending.version
+            return group
+
+        on_group = (lambda group: stream.submit(stamped(group))) if stream is not None else None
         trajectories = self.rollout(
             [g.sample for g in groups],
             [g.prompt for g in groups],
@@ -245,25 +264,23 @@ class Collector:
             stream=(pending.step, pending.rollouts),
         )
         pending.rollouts += 1
-        for t in trajectories:
-            t.version = pending.version if t.version is None else t.version
-        return Generated(trajectories, stream, t0, time.perf_counter(), dict(self.runner.stats))
+        return Generated(stamped(trajectories), stream, t0, time.perf_counter(), dict(self.runner.stats))
 
     def _score(self, generated: Generated, clock: dict[str, float]) -> dict[str, float]:
         """Wait for (or take) the rewards of generated trajectories; a judge that stopped
         answering stops the run, on every rank alike."""
         c, p = self.cfg, self.p
         if generated.stream is not None:
-            metrics = generated.stream.finish(generated.end)
-            clock["reward_hidden"] += metrics.pop("time/reward_hidden")
-            metrics.pop("time/reward_span")
-            clock["reward"] += metrics.pop("time/reward")
+            finished = generated.stream.finish(generated.end)
+            metrics = dict(finished.metrics)
+            clock["reward_hidden"] += finished.hidden_s
+            clock["reward"] += finished.reward_s
         else:
             t1 = time.perf_counter()
             metrics = p.reward.score(generated.trajectories)
             clock["reward"] += time.perf_counter() - t1
         clock["generate"] += generated.end - generated.start
-        metrics.update(generated.stats)
+        metrics = merge(metrics, generated.stats)
         # a judge that stopped answering, or a reward that fails on most calls, stops the run
         # (on every rank alike) rather than train it on fallback values
         r = c.reward
@@ -293,18 +310,18 @@ class Collector:
         groups = [dataclasses.replace(g, trajectories=trajectories[i * n : (i + 1) * n]) for i, g in enumerate(pending.groups)]  # fmt: skip
         metrics = self._score(pending.generated, clock)
         dropped = 0
-        curriculum = isinstance(p.sampler, OnlineCurriculum)
+        curriculum = p.sampler.learns_from_rewards
         if curriculum and c.curriculum.dynamic_filter:
             kept, metrics, dropped = self._filter_groups(groups, metrics, generate_and_score)
             groups = self.share_out(kept)
         else:
             groups, metrics, dropped = self._drop_failed(groups, metrics, curriculum)
-        if curriculum:
-            metrics.update(p.sampler.metrics())
-        metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
+        times = {"time/generate": clock["generate"], "time/reward": clock["reward"]}
         if p.streaming is not None:  # reward work that overlapped generation (not waited for)
-            metrics["time/reward_hidden"] = clock["reward_hidden"]
-        return Settled(groups, dropped, metrics)
+            times["time/reward_hidden"] = clock["reward_hidden"]
+        # the batch's reward means: written here only, over the groups this rank keeps
+        summary = batch_summary([t for g in groups if g.place is not None for t in g.trajectories])
+        return Settled(groups, dropped, merge(metrics, summary, p.sampler.metrics(), times))
 
     def _drop_failed(self, groups: list[Group], metrics: dict[str, float], curriculum: bool):
         """A judge failed under on_failure=drop_group: the group leaves the batch on every rank,
@@ -323,9 +340,6 @@ class Collector:
         own = sum(g.sample.uid in dropped for g in groups)  # summed over the ranks in the metrics
         batch = self._whole(groups)
         kept = [g for g in batch if g.sample.uid not in dropped]
-        for key in ("reward/dropped", "reward/dropped_groups"):  # batch/dropped_groups says it
-            metrics.pop(key, None)
-        metrics.update(batch_summary([t for g in kept for t in g.trajectories]))
         metrics["batch/dropped_groups"] = float(own)
         return self.share_out(kept), metrics, len(batch) - len(kept)
 
@@ -385,7 +399,6 @@ class Collector:
         kept = [batch[usable[i]] for i in selection.keep]
         counted = ("reward/errors", "reward/gated/", "reward/not_applicable/", "judge/")  # over every scoring of the step
         metrics = combine([(w, {k: v for k, v in m.items() if k.startswith(counted)}) for w, m in scored])
-        metrics.update(batch_summary([t for g in kept for t in g.trajectories]))
         metrics["batch/generated_groups"] = float(len(batch))
         metrics["batch/zero_std_dropped"] = float(selection.zero_variance_dropped)
         if len(usable) < len(batch):
@@ -410,10 +423,10 @@ class Learner:
         with p.reference_parked.present():  # in host memory outside this pass (actor.reference_offload)
             return p.updater.score_all(p.ref_model, tensors)
 
-    def learn(self, batch: StepBatch) -> dict[str, float]:
+    def learn(self, batch: StepBatch) -> Learned:
         """Advantages, the update (ppo_epochs x mini-batches), the mismatch figures and the push:
         what learning measured, this rank's (the trainer reduces the step's metrics over the
-        ranks). `batch.trajectories` get their advantages."""
+        ranks), and each real trajectory's advantage for the logs."""
         p = self.p
         t_start = time.perf_counter()
         p.meter.start()  # the update phase's peak (perf/peak_gb/update)
@@ -422,35 +435,34 @@ class Learner:
         self.updating = True
         with p.optimizer_parked.present():  # in host memory outside the update (actor.optimizer_offload)
             update = p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, len(batch.groups), p.params)
-        metrics = dict(update.metrics)
         t_update = time.perf_counter()
+        correction = {}
         if tensors.rollout_log_probs is not None:  # vLLM's own copy, or the hf engine's record
             # on policy the update took its own first pass's log-probs as old
             old = update.old_log_probs if update.old_log_probs is not None else tensors.old_log_probs
-            metrics.update(self.rollout_correction(tensors, old))
-        metrics.update(self.push(batch))
+            correction = self.rollout_correction(tensors, old)
+        pushed = self.push(batch)
         t_synced = time.perf_counter()
         self.updating = False
-        metrics.update(self.batch_figures(batch, rewards, kl_seq))
-        metrics.update(
-            {
-                "time/old_ref_log_probs": t_prep - t_start,
-                "time/update": t_update - t_prep,
-                "time/weight_sync": t_synced - t_update,
-                "perf/tokens_per_s": self.tokens(batch) / max(t_synced - batch.started, 1e-9),
-                "perf/peak_rss_gb": peak_rss_gb(),
-                "perf/state_gb": state_gb(p.model, p.optimizer),
-            }
-        )
+        advantages = tensors.advantages[: len(batch.real_trajectories)].tolist()
+        times = {
+            "time/old_ref_log_probs": t_prep - t_start,
+            "time/update": t_update - t_prep,
+            "time/weight_sync": t_synced - t_update,
+            "perf/tokens_per_s": self.tokens(batch) / max(t_synced - batch.started, 1e-9),
+            "perf/peak_rss_gb": peak_rss_gb(),
+            "perf/state_gb": state_gb(p.model, p.optimizer),
+        }
         if torch.cuda.is_available() and p.device.type == "cuda":
-            metrics["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
-        metrics.update(p.meter.measure("update"))
-        return metrics
+            times["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+        figures = self.batch_figures(batch, advantages, rewards, kl_seq)
+        metrics = merge(update.metrics, correction, pushed, figures, times, p.meter.measure("update"))
+        return Learned(MappingProxyType(metrics), tuple(advantages), update.skipped_steps)
 
     def step_tensors(self, batch: StepBatch) -> tuple[StepTensors, torch.Tensor, torch.Tensor | None]:
         """The update's tensors, built once from what is known before it: the rows as sampled,
         their old and reference log-probs, the loss mask after importance masking, the
-        advantages (written to the trajectories too); and each row's reward (KL-penalised) and
+        advantages; and each row's reward (KL-penalised) and
         KL sum (None without algorithm.kl_coef)."""
         c, p = self.cfg, self.p
         trajectories = batch.trajectories
@@ -473,8 +485,6 @@ class Learner:
             kl_seq = (kl * loss_mask).sum(-1).cpu()
             rewards = rewards - c.algorithm.kl_coef * kl_seq
         advantages = self.advantages(rewards, len(batch.real_trajectories))
-        for t, a in zip(trajectories, advantages.tolist()):
-            t.advantage = a
         tensors = dataclasses.replace(
             sampled,
             loss_mask=loss_mask,
@@ -525,13 +535,15 @@ class Learner:
         generated = float(sum(len(t.response_ids) for t in batch.real_trajectories))
         return generated + sum(len(g.prompt) for g in batch.real_groups) * n
 
-    def batch_figures(self, batch: StepBatch, rewards: torch.Tensor, kl_seq: torch.Tensor | None) -> dict[str, float]:
+    def batch_figures(
+        self, batch: StepBatch, advantages: list[float], rewards: torch.Tensor, kl_seq: torch.Tensor | None
+    ) -> dict[str, float]:
         """The batch's advantages, lengths and KL over every rank's real rows (the same on every
         rank, whatever its share; pads left out), and this rank's generated tokens per second."""
         n = self.cfg.rollout.n_agent
         real = batch.real_trajectories
         own = {
-            "adv": [t.advantage for t in real],
+            "adv": advantages,  # the real rows' (learn's)
             "length": [len(t.response_ids) for t in real],
             "truncated": [t.truncated for t in real],
             "flat": (rewards[: len(real)].view(-1, n).std(-1, unbiased=False) == 0).float().tolist(),

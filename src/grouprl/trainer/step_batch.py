@@ -40,6 +40,7 @@ class StepBatch:
     version: int  # the policy version (updates done) whose weights sampled it
     groups: list[Group]  # batch order; pads (zero-mask copies that keep the ranks' shares equal) last
     dropped_groups: int  # groups a failed judge took out, over every rank
+    reward_errors: int  # this rank's reward component failures (fallback values used)
     metrics: Mapping[str, float]  # what collecting measured (read-only)
     started: float  # perf_counter when collecting began
     pushed_before: float | None = None  # the engine's push seconds then (synchronous, an engine with its own weights)
@@ -64,6 +65,20 @@ class StepBatch:
     def places(self) -> list[int]:
         """Each real group's place in the step's whole batch."""
         return [g.place for g in self.real_groups]
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What learn hands back for the logs: its metrics (this rank's, read-only), each real
+    trajectory's advantage in batch order (advantages live in the update's tensors, not in the
+    trajectories), and the optimizer steps it skipped."""
+
+    metrics: Mapping[str, float]
+    advantages: tuple[float, ...]
+    skipped_steps: int
+
+
+NOT_LEARNED = Learned(metrics={}, advantages=(), skipped_steps=0)  # a step whose groups were all dropped
 
 
 @dataclass

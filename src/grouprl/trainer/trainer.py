@@ -28,11 +28,12 @@ from grouprl.trainer.export import export_model
 from grouprl.trainer.image_report import write_report
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.memory import PeakMeter
+from grouprl.trainer.metric_parts import merge
 from grouprl.trainer.parallel import inner, whole_state_dict
 from grouprl.trainer.pipeline import RolloutPipeline
 from grouprl.trainer.setup import Parts, build
 from grouprl.trainer.step import Collector, Learner, reduce_step_metrics
-from grouprl.trainer.step_batch import StepBatch
+from grouprl.trainer.step_batch import NOT_LEARNED, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +174,9 @@ class Trainer:
             yield
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> tuple[dict[str, float], list[Trajectory]]:
-        """collect, then learn; the step's metrics (one value each over the ranks) and this rank's
-        trajectories."""
+    def train_step(self) -> tuple[dict[str, float], list[Trajectory], tuple[float, ...]]:
+        """collect, then learn; the step's metrics (one value each over the ranks), this rank's
+        trajectories and their advantages."""
         p = self.parts
         self._sweep_once()
         if p.ahead is not None and self.pipeline is None:
@@ -191,7 +192,7 @@ class Trainer:
         self._startup_peak = {}
         self._groups = batch.places
         self.counters["dropped_groups"] += batch.dropped_groups
-        learned = {}
+        learned = NOT_LEARNED
         if not batch.groups:  # every group dropped (judge failures), on every rank alike
             log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
             self.counters["steps_without_update"] += 1
@@ -200,9 +201,9 @@ class Trainer:
         self.step += 1
         if self.pipeline is not None:  # the batches that sample from these weights may start
             self.pipeline.publish(self.step, p.model)
-        metrics = reduce_step_metrics({**batch.metrics, **peaks, **learned, **self._step_time(batch, waited)}, p.ranks)
-        self.counters["skipped_steps"] += int(metrics.get("actor/skipped_steps", 0))
-        self.counters["reward_errors"] += int(metrics.get("reward/errors", 0))  # every rank's
+        metrics = reduce_step_metrics(merge(batch.metrics, peaks, learned.metrics, self._step_time(batch, waited)), p.ranks)
+        self.counters["skipped_steps"] += learned.skipped_steps  # the same on every rank
+        self.counters["reward_errors"] += int(p.ranks.reduce([float(batch.reward_errors)])[0])  # every rank's
         refresh = self.cfg.algorithm.ref_refresh_steps
         if refresh and self.step % refresh == 0 and isinstance(p.ref_model, torch.nn.Module):
             with p.reference_parked.present():
@@ -210,7 +211,7 @@ class Trainer:
         # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
-        return metrics, batch.real_trajectories
+        return metrics, batch.real_trajectories, learned.advantages
 
     def _step_time(self, batch: StepBatch, waited: float) -> dict[str, float]:
         """time/step: from the batch's start to now, the update and its push done; asynchronous
@@ -312,9 +313,9 @@ class Trainer:
                         "(training time; the baseline evaluation is not counted)"
                     )
                     break
-                metrics, trajectories = self.train_step()
+                metrics, trajectories, advantages = self.train_step()
                 if c.log_rollouts:
-                    logs.rollouts(self, trajectories)
+                    logs.rollouts(self, trajectories, advantages)
                 if c.test_freq and self.step % c.test_freq == 0 and self.step < self.parts.total_steps and self.parts.val_samples:
                     metrics.update(self._evaluate_and_keep_best(logs))
                 logs.log(metrics, self.step)
@@ -449,13 +450,15 @@ class _Logs:
         for lg in self.loggers:
             lg.log(metrics, step)
 
-    def rollouts(self, trainer: Trainer, trajectories: list[Trajectory]) -> None:
-        """Every rank's trajectories of the step, in the batch's order (by group, then sample)."""
+    def rollouts(self, trainer: Trainer, trajectories: list[Trajectory], advantages: tuple[float, ...]) -> None:
+        """Every rank's trajectories of the step, in the batch's order (by group, then sample),
+        with their advantages (empty where the step made no update)."""
         c = trainer.cfg
         for t in trajectories:
             self.prompt_text.setdefault(t.uid, t.sample.messages[-1].get("content", ""))
         lines = RolloutWriter.lines(
-            c.trainer.experiment_name, trainer.step, trajectories, self.prompt_text, trainer.parts.run_dir / "images"
+            c.trainer.experiment_name, trainer.step, trajectories, self.prompt_text, trainer.parts.run_dir / "images",
+            advantages=advantages,
         )
         n = c.rollout.n_agent
         groups = trainer._groups if trainer.parts.ranks.distributed else range(len(lines) // n + 1)

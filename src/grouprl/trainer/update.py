@@ -38,15 +38,17 @@ from grouprl.trainer.parallel import Ranks, accumulating, full_tensor, gathered,
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepTensors:
-    """A step's trajectories as padded tensors; rows stay in trajectory order (groups contiguous)."""
+    """A step's trajectories as padded tensors; rows stay in trajectory order (groups contiguous).
+    Frozen: a stage that adds to them (the learner's old and reference log-probs, the masks
+    after importance masking, the advantages) makes new ones with `dataclasses.replace`."""
 
     prompt_ids: list[list[int]]
     response_ids: torch.Tensor  # [N, R]
     response_mask: torch.Tensor  # [N, R] real tokens
     loss_mask: torch.Tensor  # [N, R] policy tokens that enter the loss
-    advantages: torch.Tensor  # [N]
+    advantages: torch.Tensor | None = None  # [N]: the learner's, once the rewards are known
     old_log_probs: torch.Tensor | None = None  # [N, R]
     ref_log_probs: torch.Tensor | None = None  # [N, R]
     rollout_log_probs: torch.Tensor | None = None  # [N, R] the engine's, when it reports them
@@ -70,9 +72,11 @@ class StepTensors:
 
 
 def build_step_tensors(
-    trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int, width: int = 0
+    trajectories: list[Trajectory], device, *, mask_truncated: bool, pad_token_id: int, width: int = 0,
+    advantages: list[float] | None = None,
 ) -> StepTensors:
-    """`width`: pad the responses to at least this length (the longest of every rank's)."""
+    """`width`: pad the responses to at least this length (the longest of every rank's);
+    `advantages`: each row's, where already known (the learner adds them once it has the rewards)."""
     n = len(trajectories)
     width = max(1, width, max(len(t.response_ids) for t in trajectories))
     response_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -98,18 +102,19 @@ def build_step_tensors(
         response_ids=response_ids.to(device),
         response_mask=response_mask.to(device),
         loss_mask=loss_mask.to(device),
-        advantages=torch.tensor([t.advantage for t in trajectories], dtype=torch.float32, device=device),
         rollout_log_probs=rollout_log_probs.to(device) if rollout_log_probs is not None else None,
+        advantages=torch.tensor(advantages, dtype=torch.float32, device=device) if advantages is not None else None,
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Update:
     """What one update measured, and the log-probs it took as old when it was given none (on
     policy: its own first pass's, detached), for the mismatch metrics; None otherwise."""
 
     metrics: dict[str, float]
     old_log_probs: torch.Tensor | None = None  # [N, R]
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
 
 
 def batch_total(mode: str, mask: torch.Tensor) -> float:
@@ -353,7 +358,7 @@ class PolicyUpdater:
         out = {k: v / counts[k] if counts.get(k) else v for k, v in sums.items()}
         out.setdefault("actor/skipped_steps", 0.0)
         out["actor/lr"] = lr_used
-        return Update(out, recorded)
+        return Update(out, recorded, int(sums.get("actor/skipped_steps", 0)))
 
     @contextlib.contextmanager
     def _updating(self, model):

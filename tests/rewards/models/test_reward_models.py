@@ -328,10 +328,10 @@ def test_model_rewards_score_groups_while_generation_goes_on(classifier_dir):
         for group in groups:
             time.sleep(0.3)  # the next group is still generating
             streaming.submit(group)
-        metrics = streaming.finish(generation_end=time.perf_counter())
+        finished = streaming.finish(generation_end=time.perf_counter())
         assert time.perf_counter() - start < 0.9 + 0.5
-        assert metrics["time/reward_hidden"] > 0.0 and metrics["time/reward"] < 0.3
-        assert metrics["reward/errors"] == 0
+        assert finished.hidden_s > 0.0 and finished.reward_s < 0.3
+        assert finished.metrics["reward/errors"] == 0
         want = reference_scores(classifier_dir, PAIRS)
         assert [t.rewards["preference"] for g in groups for t in g] == pytest.approx(want, abs=1e-5)
         assert reward.step_metrics()["reward_model/rm/batches"] == 3  # one per group, as it came

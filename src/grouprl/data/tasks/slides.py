@@ -9,14 +9,15 @@ so a keyword (BM25) search for "<project> <label>" puts the gold slide first.
 
 Train and held-out questions never overlap: a question's split is fixed by a hash of its key.
 
-Files written by `write_slides_task(out_dir, ...)` (or `python -m grouprl.data.tasks.slides_files --out DIR`):
+Files written by `grouprl.rollout.gold.write_slides_task(out_dir, ...)` (or `python -m grouprl.rollout.gold
+--out DIR`); all but the gold trajectories by `grouprl.data.tasks.slides_files.write_slides_data`:
 - `corpus.jsonl`: one slide a line, `{id, title, text, image}` (text: the bullet lines; image:
   path relative to out_dir), the retriever's corpus format;
 - `images/<id>.png`: the slide drawn with Pillow (title, bullets, slide number);
 - `train.parquet`, `val.parquet`: verl layout (`prompt` = the user question alone: the agent
   loop adds its protocol system prompt; `reward_model.ground_truth`; `extra_info: {uid, index,
   split, kind, gold_docs, gold_queries, seed}`), read by `load_samples`;
-- `sft_train.jsonl`, `sft_val.jsonl`: gold trajectories (see `slides_files`).
+- `sft_train.jsonl`, `sft_val.jsonl`: gold trajectories (see `grouprl.rollout.gold`).
 """
 
 from __future__ import annotations

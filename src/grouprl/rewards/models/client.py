@@ -187,7 +187,8 @@ class ModelComponent:
     """A reward component over a model of the pool: `await component(prompt, response, trajectory)`.
     A scorer with `images_from` draws the response (seeded by the trajectory's group, so a
     group's images differ only by prompt) and scores the image against the prompt (or the
-    response); the image's path is kept in `trajectory.artifacts[<model name>]`."""
+    response); the image's path comes back with the score (`DrawnImage`), and the composite
+    keeps it in `trajectory.artifacts[<model name>]`."""
 
     def __init__(self, pool: ModelPool, name: str) -> None:
         self.pool, self.cfg = pool, pool.configs[name]
@@ -201,8 +202,9 @@ class ModelComponent:
 
     async def __call__(self, prompt: str, response: str, trajectory) -> float:
         result = await asyncio.wrap_future(self.pool.submit(self.cfg.name, self.item(prompt, response, trajectory)))
-        if isinstance(result, list):  # [score, image path]
-            trajectory.artifacts[self.cfg.name] = result[1]
-            return result[0]
+        if isinstance(result, list):  # [score, image path]: the composite records the path
+            from grouprl.rewards.composite import DrawnImage
+
+            return DrawnImage(float(result[0]), self.cfg.name, result[1])
         return float(result)
 

@@ -15,7 +15,7 @@ travels, and everything travels over that one connection: requests, answers and 
 one GPU to another over NCCL, whose rendezvous goes over the connection too). The service
 listens on its --host and port only; its engines open no port. What travels is pickled and not
 encrypted: the key is as good as a shell on the engine machine; serve on a network you trust, or
-bind 127.0.0.1 and reach it through an SSH tunnel (README, "Engine service"). A peer has
+bind 127.0.0.1 and reach it through an SSH tunnel (docs/guide/async.md, "Engine service"). A peer has
 KEY_PROOF_S (5 s) to prove the key (a few small messages: a trainer takes milliseconds plus its
 round trips) and HANDSHAKE_TIMEOUT_S (30 s) for the whole handshake, its hello (the config and
 how to load the policy) included; at most MAX_HANDSHAKES handshakes run at once, MAX_PER_PEER

@@ -88,7 +88,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: pip install 'grouprl[vllm]' on a CUDA machine, or the CPU "
-    "build (see README, 'Rollout on vLLM')"
+    "build (see docs/scale/vllm.md)"
 )
 
 
