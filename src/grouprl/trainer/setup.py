@@ -175,7 +175,7 @@ class PromptEncoder:
                 ids, images = self.vision.encode(messages, s.images)
                 # kept without pixels (processed again when drawn): a large dataset's page images
                 # are not held in memory
-                self._image_stubs[id(s)] = [replace(im, tensors={}, text="") for im in images]
+                self._image_stubs[id(s)] = [replace(im, tensors={}, text="", source=None) for im in images]
             else:
                 ids = encode_prompt(self.tokenizer, messages)
             if not ids:  # nothing to condition on: a tokenizer that does not know the text, an empty question
