@@ -30,6 +30,7 @@ from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
 from grouprl.rollout.engines import RolloutEngine, build_engine
 from grouprl.rollout.engines.process import EngineProcess
+from grouprl.rollout.observation_fit import check_limit
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
@@ -457,7 +458,7 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
                 cfg.rollout, generation_copy, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
                 vision=family, report_log_probs=True, device=device,
             )  # fmt: skip
-        agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+        agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent, cfg.data.image_max_pixels), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's
         ahead = Ahead(generation_copy, ahead_engine, agent, SingleTurn(ahead_engine), ranks.fork())
@@ -468,7 +469,7 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
             vision=family, report_log_probs=report, device=device,
             sharded=models.policy if models.policy is not model else None,  # each rank's engine, fed layer by layer
         )  # fmt: skip
-    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent, cfg.data.image_max_pixels), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
     return engine, agent, ahead
 
 
@@ -510,6 +511,8 @@ def build(cfg: Config) -> Parts:
     tokenizer = load_tokenizer(cfg.model, model_path)
     config = model_config(cfg.model, model_path)
     check_images(cfg, train_samples + val_samples, config)
+    if cfg.agent.enabled:  # the observation limit holds an observation's turn markers (in tokens)
+        check_limit(tokenizer, cfg.agent)
     # the memory plan from config.json and the settings: a run that would not fit stops here,
     # before anything loads (settings that depend on the devices are settled first)
     cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
