@@ -433,11 +433,15 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     cfg = settle_for_devices(cfg, shape, devices)
     if cfg.trainer.memory_check == "off":
         return ["memory plan: off (trainer.memory_check=off)"], True, cfg
-    plan = plan_memory(cfg, shape, devices)
+    from grouprl.trainer.data_lengths import data_longest_prompt
+
+    longest, said = data_longest_prompt(cfg)
+    plan = plan_memory(cfg, shape, devices, longest_prompt=longest)
     lines = [
         f"memory plan per device, from model.path's config ({shape.params / 1e9:.2f}B parameters, "
         f"{shape.trainable / 1e9:.2f}B trained; no weights read):",
         *plan.table(),
+        said,
     ]
     from grouprl.trainer.memory import lr_resolution_warning
 
@@ -445,7 +449,7 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     if warning:
         lines.append("WARNING: " + warning)
     if not plan.fits:
-        lines.append(refusal(plan, cfg, shape))
+        lines.append(refusal(plan, cfg, shape, longest))
     return lines, plan.fits or cfg.trainer.memory_check != "refuse", cfg
 
 

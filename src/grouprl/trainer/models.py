@@ -442,24 +442,32 @@ class LoadedPolicy:
         return self.vision.family if self.vision is not None else None
 
 
+def load_vision(cfg: Config, path: str, config, tokenizer):
+    """A VLM's processor (no weight read: the image processor and the tokenizer), with
+    data.image_min_pixels / image_max_pixels; None for a text model."""
+    from grouprl.vision.families import is_vision_config
+    from grouprl.vision.processor import VisionProcessor
+
+    if not is_vision_config(config):
+        return None
+    return VisionProcessor.load(
+        path, config, tokenizer, min_pixels=cfg.data.image_min_pixels,
+        max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
+    )  # fmt: skip
+
+
 def load_policy(
-    cfg: Config, device: torch.device, dtype: torch.dtype, *, path: str | None = None, tokenizer=None, weights: bool = True
+    cfg: Config, device: torch.device, dtype: torch.dtype, *, path: str | None = None, tokenizer=None,
+    weights: bool = True, vision=None,
 ) -> LoadedPolicy:
     """The one way the policy loads: model.path resolved (a built-in model assembled once), the
     tokenizer, the model ready to train (load_causal_lm: a VLM's parts frozen as configured,
     LoRA, quantisation; `weights=False`: its parameters on the meta device, for a rank whose
-    shards come from rank 0) and, for a VLM, the processor that turns images into inputs (with
-    data.image_min_pixels / image_max_pixels). `path` / `tokenizer`: already resolved ones."""
-    from grouprl.vision.families import is_vision_config
-    from grouprl.vision.processor import VisionProcessor
-
+    shards come from rank 0) and, for a VLM, the processor that turns images into inputs
+    (`load_vision`). `path` / `tokenizer` / `vision`: already resolved or loaded ones."""
     path = path if path is not None else resolve_model_path(cfg.model)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, path)
     model = load_causal_lm(cfg.model, path, device, dtype, weights=weights)
-    vision = None
-    if is_vision_config(model.config):
-        vision = VisionProcessor.load(
-            path, model.config, tokenizer, min_pixels=cfg.data.image_min_pixels,
-            max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
-        )  # fmt: skip
+    if vision is None:
+        vision = load_vision(cfg, path, model.config, tokenizer)
     return LoadedPolicy(path, tokenizer, model, vision)

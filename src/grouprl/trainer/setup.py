@@ -34,7 +34,7 @@ from grouprl.rollout.observation_fit import check_limit
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
-from grouprl.trainer.memory import PeakMeter, Plan, plan_run
+from grouprl.trainer.memory import PeakMeter, Plan, longest, plan_run
 from grouprl.trainer.models import (
     LoadedPolicy,
     autocast,
@@ -43,6 +43,7 @@ from grouprl.trainer.models import (
     load_causal_lm,
     load_policy,
     load_tokenizer,
+    load_vision,
     model_config,
     resolve_compute_dtype,
     resolve_device,
@@ -394,7 +395,9 @@ class Models:
     generation_copy: torch.nn.Module | None  # rollout.max_staleness: the copy generation samples from
 
 
-def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer) -> Models:
+def load_models(
+    cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer, vision=None
+) -> Models:
     """The policy, its reference and generation copy, sharded over several ranks: rank 0 reads
     the weights into host memory, the others build the model with its parameters on the meta
     device; FSDP makes each rank's shards on its own device and fills them from rank 0's, a
@@ -402,7 +405,7 @@ def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Prec
     dtype = precision.dtype
     reads = not ranks.distributed or ranks.main
     where = torch.device("cpu") if ranks.distributed else device
-    loaded = load_policy(cfg, where, dtype, path=path, tokenizer=tokenizer, weights=reads)
+    loaded = load_policy(cfg, where, dtype, path=path, tokenizer=tokenizer, weights=reads, vision=vision)
     model = loaded.model
     source = (dict(model.state_dict()) if reads else {}) if ranks.distributed else None
     attention = getattr(model.config, "_attn_implementation", None) or ""
@@ -513,15 +516,18 @@ def build(cfg: Config) -> Parts:
     check_images(cfg, train_samples + val_samples, config)
     if cfg.agent.enabled:  # the observation limit holds an observation's turn markers (in tokens)
         check_limit(tokenizer, cfg.agent)
-    # the memory plan from config.json and the settings: a run that would not fit stops here,
-    # before anything loads (settings that depend on the devices are settled first)
-    cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
-    engine_differs, rollout_is = correction(cfg, precision)
-    models = load_models(cfg, ranks, device, precision, model_path, tokenizer)
-    model, vision = models.loaded.model, models.loaded.vision
+    # the prompts as token ids (a VLM's images processed, no weight read yet): the memory plan
+    # takes the longest of them
+    vision = load_vision(cfg, model_path, config, tokenizer)
     encoder = PromptEncoder(cfg, tokenizer, vision)
     train_prompts, prompt_stats = encoder.encode(train_samples, "training")
     val_prompts, _ = encoder.encode(val_samples, "held-out")
+    # the memory plan from config.json, the settings and the data's longest prompt: a run that
+    # would not fit stops here, before anything loads (settings that depend on the devices first)
+    cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main, longest_prompt=longest(train_prompts + val_prompts))
+    engine_differs, rollout_is = correction(cfg, precision)
+    models = load_models(cfg, ranks, device, precision, model_path, tokenizer, vision)
+    model = models.loaded.model
     sampler = make_sampler(cfg, train_samples)
     total_steps = cfg.trainer.total_steps or sampler.steps_for_epochs(cfg.trainer.total_epochs)
     params = [p for p in model.parameters() if p.requires_grad]
