@@ -101,7 +101,7 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
                 # vLLM's share): on a CPU each rank's cache is what its rollout can fill
                 "rollout.n_agent=2", "rollout.max_response_length=48",
                 "rollout.enforce_eager=true", "rollout.check_log_probs=true",
-                "agent.max_turns=3", "agent.max_observation_tokens=120",
+                "agent.max_turns=3", "agent.max_observation_tokens=200",  # the crop, the last-turn note, turn markers
                 f"agent.answer_base_url={server.base_url}", f"agent.answer_model={ANSWER_MODEL}",
                 f"agent.retriever.url=http://127.0.0.1:{service.port}/search",
                 f"reward.judges[0].base_url={server.base_url}", "reward.judges[0].cache_path=",
@@ -140,7 +140,8 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
     engine = plan["phases"]["generation"]["parts"]["engine (vLLM)"]
     assert engine < 0.5 and engine * 2 < 0.1 * plan["devices"]["memory_gb"]
     saved = yaml.safe_load((run / "config.yaml").read_text())["rollout"]
-    assert saved["kv_cache_gb"] == 0.25 and saved["max_model_len"] == 4096 + 3 * 48 + 3 * 120
+    # the run's longest sequence: the prompt, 3 turns, 2 observations and the frozen answer (256 tokens and a newline)
+    assert saved["kv_cache_gb"] == 0.25 and saved["max_model_len"] == 4096 + 3 * 48 + 2 * 200 + 257
     steps = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "time/step" in m}
     assert sorted(steps) == [1, 2]
     for m in steps.values():
