@@ -163,16 +163,18 @@ def test_the_reference_and_the_optimizer_state_in_host_memory_leave_generation()
 
 
 def test_a_second_micro_batch_holds_the_prompt_pass_gradients_and_vllm_awake_stays():
-    """One process: after the first micro-batch the responses' weight gradients (float32, the
-    decoder's and the input embeddings') wait in autograd's buffers for the prompts' pass,
-    beside the gradients accumulated so far; an engine that does not sleep keeps its share
-    through the update."""
+    """One process: after the first micro-batch the responses' weight gradients wait in
+    autograd's buffers for the prompts' pass, beside the gradients accumulated so far (the
+    decoder's in bf16, the gradients of autocast's cached casts; the input embeddings' in
+    float32, and a copy while the two passes' are summed); an engine that does not sleep keeps
+    its share through the update."""
     rows = ["rollout.engine=vllm", "rollout.sleep_level=0", "actor.micro_batch_tokens=0"]
     one = plan_for(*rows, "actor.micro_batch_size=64", devices=Devices("cuda", 1, 1, 80.0))
     two = plan_for(*rows, "actor.micro_batch_size=4", devices=Devices("cuda", 1, 1, 80.0))
     assert "gradients waiting for the prompts' pass" not in one.phase("update").parts
-    waiting = min(1e9, 30 * 30e6 + 100_000 * 2048) + 100_000 * 2048
-    assert two.phase("update").parts["gradients waiting for the prompts' pass"] == pytest.approx(waiting * 4 / GIB)
+    embeddings = 100_000 * 2048
+    waiting = min(1e9 - embeddings, 30 * 30e6) * 2 + 2 * embeddings * 4
+    assert two.phase("update").parts["gradients waiting for the prompts' pass"] == pytest.approx(waiting / GIB)
     assert two.phase("update").parts["engine (awake)"] == 0.5 * 80
     unshared = plan_for("actor.shared_prefix=false", "actor.micro_batch_size=4", "actor.micro_batch_tokens=0", devices=Devices("cuda", 1, 1, 80.0))
     assert "gradients waiting for the prompts' pass" not in unshared.phase("update").parts
@@ -183,7 +185,7 @@ def test_autocast_keeps_a_cast_of_the_weights_in_one_process():
     long as the rollout's autocast (built-in engine) and, in the update, as long as backward needs
     them; in float32 there are none, and under FSDP the gathered bf16 weights are those casts."""
     one = plan_for(devices=Devices("cuda", 1, 1, 80.0))
-    cast = 900_000_000 * 2 / GIB  # SHAPE's linear weights, tied head
+    cast = (900_000_000 + 100_000 * 2048) * 2 / GIB  # SHAPE's linear weights and its (tied) LM head's
     assert one.phase("generation").parts["weights cast for autocast"] == pytest.approx(cast)
     assert one.phase("update").parts["weights cast for autocast"] == pytest.approx(cast)
     fp32 = plan_for("actor.dtype=float32", devices=Devices("cuda", 1, 1, 80.0))

@@ -148,19 +148,22 @@ def test_zero3_holds_an_eighth_of_the_state_a_layer_and_the_root_whole():
     assert update[margin] == pytest.approx(0.05 * allocated)
     # one process: whole gradients in float32 and autocast's bf16 casts of the linear weights
     alone = plan_memory(cfg_of("rollout.engine=vllm"), BIG, Devices("cuda", 1, 1, 80.0)).phase("update").parts
-    assert alone["gradients"] == pytest.approx(4 * g) and alone["weights cast for autocast"] == pytest.approx(0.9 * 2 * g)
+    cast = (0.9e9 + 100_000 * 2048) * 2 / GIB  # the linear weights and the (tied) LM head's, in bf16
+    assert alone["gradients"] == pytest.approx(4 * g) and alone["weights cast for autocast"] == pytest.approx(cast)
     assert "gradient shard" not in alone and "root weights whole (FSDP)" not in alone
 
 
 def test_gradients_waiting_for_the_prompts_pass_are_the_decoders_and_embeddings():
-    """ZeRO-3 with the shared prefix: every micro-batch's responses' weight gradients (bf16)
-    wait for the prompts' pass, the decoder's (30 x 30M) and the input embeddings' (a dense
-    100,000 x 2048, and its copy while the second is summed in)."""
+    """ZeRO-3 with the shared prefix: every micro-batch's responses' weight gradients wait for
+    the prompts' pass in bf16 (FSDP's gathered weights), the decoder's (30 x 30M, within the 1e9
+    trained less the embeddings) and the input embeddings' (a dense 100,000 x 2048, and its copy
+    while the second is summed in)."""
     plan = plan_memory(cfg_of("rollout.engine=vllm"), BIG, EIGHT_GPUS)
     update = plan.phase("update").parts
     assert plan.resolved["update peak at"] == "the prompts' backward"
-    decoder_and_embeddings = min(1e9, 30 * 30e6 + 204.8e6)  # within what trains
-    assert update["gradients waiting for the prompts' pass"] == pytest.approx((decoder_and_embeddings + 204.8e6) * 2 / GIB)
+    embeddings = 100_000 * 2048
+    decoder = min(1e9 - embeddings, 30 * 30e6)
+    assert update["gradients waiting for the prompts' pass"] == pytest.approx((decoder * 2 + 2 * embeddings * 2) / GIB)
     unshared = plan_memory(cfg_of("rollout.engine=vllm", "actor.shared_prefix=false"), BIG, EIGHT_GPUS)
     assert "gradients waiting for the prompts' pass" not in unshared.phase("update").parts
     assert unshared.resolved["update peak at"] == "the backward's start"

@@ -266,7 +266,8 @@ class _Sizes:
         self.generation_parts["decode logits"] = logits
         if world == 1 and not r.max_staleness and rollout_bytes < self.param_bytes:
             # autocast keeps a cast of each trainable weight for as long as the rollout's autocast lasts
-            self.generation_parts["weights cast for autocast"] = (shape.linear + shape.head) * rollout_bytes * gb
+            # (the LM head's weight among them, tied to the embeddings or not)
+            self.generation_parts["weights cast for autocast"] = (shape.linear + shape.vocab * shape.hidden) * rollout_bytes * gb
         if world > 1 and not r.max_staleness:  # the built-in engine decodes on the gathered policy:
             # FSDP's all-gathered copy (in the compute dtype), beside the shards
             self.generation_parts["gathered policy"] = shape.params * self.compute_bytes * gb
@@ -378,7 +379,7 @@ class _Sizes:
         if self.ahead_copy:
             parts["generation copy"] = self.ahead_copy
         if self.world == 1 and c < self.param_bytes:  # autocast's casts of the weights, kept for backward
-            parts["weights cast for autocast"] = (shape.linear + shape.head) * c * gb
+            parts["weights cast for autocast"] = (shape.linear + shape.vocab * shape.hidden) * c * gb
         if self.awake_in_update:
             parts["engine (awake)"] = self.awake_in_update
         if self.asleep_in_update:
@@ -398,14 +399,16 @@ class _Sizes:
         phases = [Phase("update", {**resident, **activation_parts(shape, mb, settings)})]
         waits = mb.shared and (self.world > 1 or micro_batches_per_step(cfg, self.world, mb) > 1)
         if waits:
-            grad_bytes = self.compute_bytes if self.world > 1 else self.param_bytes
             prompts_only = replace(mb, rows=0, bins=0, width=0)
             boundary = {**resident, **activation_parts(shape, prompts_only, settings, heads=False)}
-            # the decoder's and the input embeddings' (a dense [vocab, hidden] gradient from each
-            # pass: the second one is summed into the first, a copy while it is)
+            # the decoder's, in the compute dtype (autocast's cached cast of a weight, or FSDP's
+            # gathered bf16 weight, is what both passes use), and the input embeddings' in the
+            # residual stream's (a dense [vocab, hidden] gradient from each pass: the second is
+            # summed into the first, a copy while it is)
             embeddings = shape.vocab * shape.hidden if self._lm_trains() else 0
-            waiting = min(shape.trainable, shape.layer * shape.layers + embeddings) + embeddings
-            boundary["gradients waiting for the prompts' pass"] = waiting * grad_bytes * gb
+            decoder = min(shape.trainable - embeddings, shape.layer * shape.layers)
+            waiting = decoder * self.compute_bytes + 2 * embeddings * settings.stream
+            boundary["gradients waiting for the prompts' pass"] = waiting * gb
             phases.append(Phase("update", boundary))
         if self.parked_reference:  # on the device for its pass only, before the update's passes begin
             for phase in phases:
