@@ -9,12 +9,15 @@ the summed gradient equals the gradient of one process on the whole batch.
 
 Everything the update runs goes through `ShardedRoot.__call__(fn, ...)`, a root module whose forward
 calls `fn(model, ...)`, so FSDP's hooks see it while the log-prob code keeps reading the head's
-weight itself. Within a mini-batch the parameters are gathered once (`accumulating`): ranks
-run different numbers of forward passes (shared prefixes, token budgets) without collectives,
-gradients accumulate locally, and `sync_gradients` reduce-scatters them in one pass that every
-rank makes. Parameters, gradients and optimizer state stay sharded between mini-batches (the
-memory of ZeRO-2 during a mini-batch, of FSDP outside it). Generation and scoring run on
-gathered weights (`gathered`), as an inference engine would be given them.
+weight itself. Parameters stay sharded between passes: each layer is gathered for its forward
+and again for its backward (FSDP2's default), and each pass's backward reduce-scatters its
+gradients into the sharded accumulators (`set_gradient_sync`: every k passes, a setting). A
+rank's peak in the update is its shards of the weights, gradients and optimizer state, the
+root's own weights and a layer or two whole, and the activations (ZeRO-3). The price: every
+rank must run the same passes in the same order, whatever its rows, or the collectives get out
+of step; `trainer/lockstep.py` pads the ranks to the same pass count with passes of zero
+weight. Generation and exports run on gathered weights (`gathered`), as an inference engine
+would be given them.
 
 The loop's own collectives (counts, metrics, gathered groups) move CPU tensors and Python
 objects, which an NCCL-only group refuses: on CUDA the group is joined as "cpu:gloo,cuda:nccl"
@@ -250,8 +253,8 @@ def shard(
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    # the update's passes run on whole weights (`accumulating`), where the pre-backward gather
-    # FSDP warns a view output could skip has nothing to gather
+    # FSDP warns that an in-place change of a view output would skip its pre-backward gather;
+    # the outputs that are views (the root's image features, reshaped) are never changed in place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     policy = ShardedRoot(model)
     for layer in decoder_layers(model):
@@ -348,62 +351,19 @@ def gathered(model) -> Iterator[None]:
             m.reshard()
 
 
-@contextlib.contextmanager
-def accumulating(model) -> Iterator[None]:
-    """Within the block a sharded policy's parameters are whole, passes keep them so, and
-    gradients accumulate on each rank without communication until `sync_gradients`."""
-    if not isinstance(model, ShardedRoot):
-        yield
-        return
-    modules = _fsdp_modules(model)
-    layers = [m for m in modules if m is not model]
-    for m in modules:
-        m.unshard()
-        m.set_reshard_after_backward(False, recurse=False)
-        m.set_requires_gradient_sync(False, recurse=False)
-    for m in layers:
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.set_reshard_after_forward(True, recurse=False)
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
-            m.set_reshard_after_backward(True, recurse=False)
-            m.reshard()
+def set_gradient_sync(model, sync: bool) -> None:
+    """Whether the backward passes that follow reduce-scatter a sharded policy's gradients into
+    its shards (True: FSDP's default) or keep accumulating them whole, unreduced, until a pass
+    that does (actor.fsdp_reduce_every > 1: less communication, whole gradients held)."""
+    if isinstance(model, ShardedRoot):
+        model.set_requires_gradient_sync(sync, recurse=True)
 
 
-def sync_pass(model, pad_token_id: int, vision=None) -> torch.Tensor:
-    """The sum, times zero, of the logits of one pad token and (with `vision`, a VLM family) of
-    the image features of its `blank` image: a loss whose backward gives every trainable weight
-    a gradient of exact zeros (added to what it holds, it changes nothing)."""
-
-    def outputs(m):
-        logits = m(input_ids=torch.tensor([[pad_token_id]], device=next(m.parameters()).device)).logits
-        return logits, vision.features(m, [vision.blank()]) if vision is not None else None
-
-    logits, features = run(model, outputs)
-    total = logits.float().sum()
-    if features is not None:
-        total = total + features.float().sum()
-    return total * 0.0
-
-
-def sync_gradients(model, pad_token_id: int, vision=None) -> None:
-    """Inside `accumulating`: one pass of zero weight on every rank (`sync_pass`), whose backward
-    reduce-scatters every module's accumulated gradients (summed over ranks, / world). FSDP
-    reduces the weights that hold a gradient, so the ranks must hold one for the same weights:
-    `vision` (given on every rank when any rank's rows of the mini-batch had images) runs the
-    tower and connector too, and a rank that saw no image sends zeros. With no image on any rank
-    no rank's tower holds a gradient, and it is not stepped, as in one process."""
-    if not isinstance(model, ShardedRoot):
-        return
-    for m in _fsdp_modules(model):
-        m.set_requires_gradient_sync(True, recurse=False)
-    loss = sync_pass(model, pad_token_id, vision)
-    if loss.requires_grad:  # nothing trainable ran (a frozen language model, no image): nothing to reduce
-        loss.backward()
+def reshard_root(model) -> None:
+    """Give back a sharded policy's root weights (embeddings, head, norms: FSDP keeps the
+    root's whole after a forward for the backward that follows) after passes without one."""
+    if isinstance(model, ShardedRoot):
+        model.reshard()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
