@@ -238,14 +238,14 @@ def shard(
     reduce_dtype: torch.dtype | None = None,
     offload: bool = False,
     mesh=None,
-    source: dict[str, torch.Tensor] | None = None,
+    source=None,
     device: torch.device | None = None,
 ) -> ShardedRoot:
     """FSDP2 over `model`: each decoder layer, then the root (everything else); over `mesh`
-    (`device_mesh`) when given, else over every rank. `source` (sharded loading): rank 0's whole
-    state dict, in host memory ({} on the other ranks, whose `model` has its parameters on the
-    meta device): each rank's shards are made on `device` and filled from rank 0, a tensor at a
-    time, so no rank's device ever holds the whole model."""
+    (`device_mesh`) when given, else over every rank. `source` (sharded loading, `model`'s
+    parameters on the meta device): the checkpoint each rank reads its shards' slices from
+    (slices.Checkpoint), or rank 0's whole state dict ({} on the others, `fill_from_rank0`);
+    each rank's shards are made where they live, so no rank ever holds the whole model."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options: dict = {"mesh": mesh} if mesh is not None else {}
@@ -261,35 +261,45 @@ def shard(
         fully_shard(layer, **options)
     fully_shard(policy, **options)
     if source is not None:
-        fill_from_rank0(model, source, device)
+        load_into(model, source, device)
     with torch.no_grad():  # FSDP initialises from the root's first forward, before any layer's
         policy(lambda model: None)
     policy.reshard()  # the root keeps its weights whole after a forward: the optimizer takes shards
     return policy
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Storage for a model whose parameters are on the meta device (FSDP's shards, or whole
+    tensors), on `device` (FSDP moves a shard it offloads to pinned host memory itself), tied
+    weights tied again; buffers built with the model (rotary tables) kept as they were."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # tied weights (embeddings and head)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)  # storage for the parameters (and buffers, put back below)
+    for places in shared.values():  # to_empty gives each holder a tensor of its own: tie them again
+        first = getattr(*places[0])
+        for module, name in places[1:]:
+            module._parameters[name] = first
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
 def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], device: torch.device) -> None:
     """Give `model` (sharded or whole; on ranks other than 0 its parameters on the meta device)
-    the weights of rank 0's state dict `source`, broadcast a tensor at a time; each rank keeps
-    its shard (DTensor parameters) or the whole tensor (plain ones). Buffers built on each rank
-    (rotary tables) are kept as they were."""
+    the weights of rank 0's state dict `source`, broadcast a tensor at a time over `device` (the
+    ranks' compute device, where the group communicates, wherever a shard lives); each rank
+    keeps its shard (DTensor parameters) or the whole tensor (plain ones). Buffers built on each
+    rank (rotary tables) are kept as they were. The way for checkpoints that cannot be read in
+    slices (slices.py): a whole host copy on rank 0, every tensor crossing the network."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if any(p.is_meta for p in model.parameters()):
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # tied weights (embeddings and head)
-        for module in model.modules():
-            for name, param in module._parameters.items():
-                if param is not None:
-                    shared.setdefault(id(param), []).append((module, name))
-        model.to_empty(device=device)  # storage for the parameters (and buffers, put back below)
-        for places in shared.values():  # to_empty gives each holder a tensor of its own: tie them again
-            first = getattr(*places[0])
-            for module, name in places[1:]:
-                module._parameters[name] = first
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+    materialize(model, device)
     # a tensor at a time: rank 0's whole tensor broadcast to every rank's device, each rank
     # copying its own part into its parameter (set_model_state_dict would hold every new shard
     # until its end, a second copy of the model's shards)
@@ -299,7 +309,7 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
             if not isinstance(held, torch.Tensor):
                 continue
             local = held.to_local() if isinstance(held, DTensor) else held
-            whole = torch.empty(held.shape, dtype=held.dtype, device=local.device)
+            whole = torch.empty(held.shape, dtype=held.dtype, device=device)
             if main:
                 whole.copy_(source[name])
             dist.broadcast(whole, src=0)
@@ -307,6 +317,15 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
                 whole = distribute_tensor(whole, held.device_mesh, held.placements, src_data_rank=None).to_local()
             local.copy_(whole)
             del whole
+
+
+def load_into(model: torch.nn.Module, source, device: torch.device) -> None:
+    """`model`'s weights from `source`: a checkpoint read in slices (slices.Checkpoint), or rank
+    0's whole state dict ({} on the other ranks: `fill_from_rank0`)."""
+    if isinstance(source, dict):
+        fill_from_rank0(model, source, device)
+    else:
+        source.fill(model, device)
 
 
 def run(model, fn, *args, **kwargs):
