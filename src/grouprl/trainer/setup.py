@@ -54,8 +54,9 @@ from grouprl.trainer.models import (
 )
 from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, wanted
 from grouprl.trainer.optim import build_optimizer, build_scheduler
-from grouprl.trainer.parallel import Ranks, device_mesh, fill_from_rank0, shard
+from grouprl.trainer.parallel import Ranks, device_mesh, load_into, shard
 from grouprl.trainer.pipeline import trainable_names
+from grouprl.trainer.slices import Checkpoint
 from grouprl.trainer.update import PolicyUpdater
 from grouprl.vision.families import is_vision_config
 from grouprl.vision.processor import VisionProcessor
@@ -291,7 +292,7 @@ def make_sampler(cfg: Config, train_samples: list[Sample]) -> PromptSampler | On
 def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool, skeleton=None):
     """A frozen reference only when a KL coefficient needs it. With LoRA the reference is the base
     model with adapters disabled, not a second copy. `skeleton`: builds the model without its
-    weights (several ranks: the reference is sharded and filled from rank 0's weights)."""
+    weights (several ranks: the reference is sharded and loads as the policy does)."""
     if cfg.algorithm.kl_coef <= 0 and cfg.actor.kl_loss_coef <= 0:
         return None
     if is_lora:  # (the config refuses algorithm.ref_refresh_steps with LoRA)
@@ -398,16 +399,21 @@ class Models:
 def load_models(
     cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer, vision=None
 ) -> Models:
-    """The policy, its reference and generation copy, sharded over several ranks: rank 0 reads
-    the weights into host memory, the others build the model with its parameters on the meta
-    device; FSDP makes each rank's shards on its own device and fills them from rank 0's, a
-    tensor at a time (Sharder's `source`): no device holds the whole model."""
+    """The policy, its reference and generation copy. Over several ranks every rank builds them
+    with their parameters on the meta device and reads only its shards' slices of the checkpoint
+    (slices.py), straight to where they live: no whole host copy, nothing broadcast (a checkpoint
+    that cannot be read in slices: rank 0 reads it whole and broadcasts it, `fill_from_rank0`).
+    `vision`: a VLM's processor, already loaded."""
     dtype = precision.dtype
-    reads = not ranks.distributed or ranks.main
-    where = torch.device("cpu") if ranks.distributed else device
-    loaded = load_policy(cfg, where, dtype, path=path, tokenizer=tokenizer, weights=reads, vision=vision)
+    loaded = load_policy(cfg, device, dtype, path=path, tokenizer=tokenizer, weights=not ranks.distributed, vision=vision)
     model = loaded.model
-    source = (dict(model.state_dict()) if reads else {}) if ranks.distributed else None
+    source = None
+    if ranks.distributed:
+        source = Checkpoint.of(model, path, torch.initial_seed())
+        if source is None:  # rank 0 reads the whole model into host memory and broadcasts it
+            if ranks.main:
+                model = loaded.model = load_causal_lm(cfg.model, path, torch.device("cpu"), dtype)
+            source = dict(model.state_dict()) if ranks.main else {}
     attention = getattr(model.config, "_attn_implementation", None) or ""
     if "flash" in attention and cfg.actor.shared_prefix:
         log.info(
@@ -416,9 +422,12 @@ def load_models(
             "masks only; actor.shared_prefix=false runs whole sequences through %s)", attention, attention
         )
     # what a copy starts from: the model itself in one process; on several ranks a skeleton that
-    # is sharded (or filled whole) from rank 0's weights, never a copy of rank 0's whole model
-    skeleton = functools.partial(load_causal_lm, cfg.model, path, device, dtype, weights=False)
-    ref_model = make_reference(cfg, model, cfg.model.lora.rank > 0, skeleton if ranks.distributed else None)
+    # loads as the policy does (its own slices), never a copy of a whole model
+    skeleton = functools.partial(load_causal_lm, cfg.model, path, device, weights=False)
+    # the frozen reference of a run that computes in bf16, sharded: kept in bf16 (FSDP would
+    # gather it in bf16 all the same), half the memory of float32 shards
+    ref_dtype = precision.compute or dtype
+    ref_model = make_reference(cfg, model, cfg.model.lora.rank > 0, functools.partial(skeleton, ref_dtype) if ranks.distributed else None)
     if isinstance(ref_model, torch.nn.Module) and not ranks.distributed:  # FSDP gathers it in the compute dtype
         cast_frozen_linears(ref_model, precision.compute)  # scored under the update's autocast only
     # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
@@ -427,8 +436,8 @@ def load_models(
     generation_copy = None
     if cfg.rollout.max_staleness:
         if ranks.distributed:
-            generation_copy = skeleton().requires_grad_(False)
-            fill_from_rank0(generation_copy, source, device)
+            generation_copy = skeleton(dtype).requires_grad_(False)
+            load_into(generation_copy, source, device)
         else:
             generation_copy = copy.deepcopy(model).requires_grad_(False)
         cast_frozen_linears(generation_copy, precision.rollout)
