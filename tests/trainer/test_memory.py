@@ -112,18 +112,21 @@ def plan_for(*overrides, devices=EIGHT_GPUS, shape=SHAPE):
 
 
 def test_start_up_by_hand():
-    """Each of 8 GPUs makes its shard (0.5 GB of 1e9 float32 weights), filled from rank 0's host
-    copy a tensor at a time (the largest: the 100,000 x 2048 embedding); one GPU alone loads the
-    whole model; both with the allocator's margin (5% of what PyTorch allocates)."""
+    """Each of 8 GPUs reads its shard's slices of the checkpoint (0.5 GB of 1e9 float32 weights) a
+    tensor at a time (the largest: an eighth of the 100,000 x 2048 embedding in flight); one GPU
+    alone loads the whole model; both with the allocator's margin (5% of what PyTorch allocates).
+    On a CPU the file's pages a rank reads are mapped into it while it reads them."""
     g = 1e9 / GIB
     parts = plan_for().phase("startup").parts
-    margin = 0.05 * (4 * g / 8 + 100_000 * 2048 * 4 / GIB)
+    slice_ = 100_000 * 2048 * 4 / 8 / GIB
     assert parts == pytest.approx({
-        "runtime": 1.0, "policy shard": 4 * g / 8, "one tensor whole (while filled)": 100_000 * 2048 * 4 / GIB,
-        "allocator margin (5%, fragmentation)": margin,
+        "runtime": 1.0, "policy shard": 4 * g / 8, "one tensor's slice in flight": slice_,
+        "allocator margin (5%, fragmentation)": 0.05 * (4 * g / 8 + slice_),
     })  # fmt: skip
     alone = plan_for(devices=Devices("cuda", 1, 1, 80.0)).phase("startup").parts
     assert alone == pytest.approx({"runtime": 1.0, "policy": 4 * g, "allocator margin (5%, fragmentation)": 0.2 * g})
+    two_cpu_ranks = plan_for(devices=Devices("cpu", 1, 2, 24.0)).phase("startup").parts
+    assert two_cpu_ranks["checkpoint slices (mapped while read)"] == pytest.approx(4 * g / 2)  # config.json's float32
 
 
 def test_the_reference_and_the_optimizer_state_in_host_memory_leave_generation():

@@ -284,17 +284,16 @@ class _Sizes:
         startup = Phase("startup", {"runtime": self.runtime})
         parts = startup.parts
         if self.world > 1:
-            # sharded loading: rank 0 reads the weights into host memory, every rank makes its shards
-            # on its device and fills them from rank 0's, one whole tensor at a time
+            # each rank reads only its shards' slices of the checkpoint (slices.py), straight to
+            # where they live, a tensor at a time
             parts["policy shard (offloaded to host)" if self.offloaded else "policy shard"] = self.weights_here
             largest = max(shape.vocab, shape.intermediate) * shape.hidden * param_bytes * gb
-            parts["one tensor whole (while filled)"] = largest
-            if on_cpu:  # the host is the device: rank 0's whole copy counts
-                parts["rank 0's whole copy (host)"] = shape.params * param_bytes * gb
-                if shape.file_bytes != param_bytes:  # and the file it converts, mapped while read
-                    parts["checkpoint file (mapped while converted)"] = shape.params * shape.file_bytes * gb
+            parts["one tensor's slice in flight"] = largest / self.shards
             if self.reference:
                 parts["reference shard"] = self.reference
+            if on_cpu:  # the host is the device: the file's pages a rank reads are mapped into it
+                copies = 2 if self.reference else 1
+                parts["checkpoint slices (mapped while read)"] = copies * shape.params * shape.file_bytes / self.shards * gb
         else:
             # one process loads the whole model, and copies it for the reference. On a CPU, weights
             # stored in their training dtype are mapped from the file, not copied: untouched until
