@@ -391,11 +391,12 @@ class PolicyUpdater:
         """Around an update: sdpa (flash kernels take no block masks); in one process the head's
         weight gradient goes straight into .grad (logprobs.py) and, on a CPU, the layers keep
         fewer activations and freed memory goes back to the OS (grouprl.cpu: it yields what runs
-        before each backward). The CPU devices patch layers FSDP already manages: not on several
-        ranks."""
+        before each backward). The CPU's layer patches would touch layers FSDP manages: on several
+        ranks only its allocator part (cpu.lean_memory)."""
         with block_masks(model, self.cfg.shared_prefix):
-            if self.ranks.distributed:
-                yield lambda: None
+            if self.ranks.distributed:  # freed memory back to the OS all the same
+                with cpu.lean_memory(model, self.cfg) as before_backward:
+                    yield before_backward
                 return
             with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
                 yield before_backward
@@ -411,7 +412,7 @@ class PolicyUpdater:
         totals = self.ranks.reduce([batch_total(self.cfg.loss_agg_mode, mini_mask), batch_total("token-mean", mini_mask)])
         micro_metrics: dict[str, float] = defaultdict(float)
         if self.ranks.distributed:
-            self._passes_in_step(model, tensors, mini, recorded, totals, micro_metrics)
+            self._passes_in_step(model, tensors, mini, recorded, totals, micro_metrics, before_backward)
             keys = sorted(micro_metrics)  # each rank's metrics are its share of the mini-batch's
             return defaultdict(float, zip(keys, self.ranks.reduce([micro_metrics[k] for k in keys])))
         # the opening all prompts share runs once: every micro-batch backpropagates into its
@@ -436,7 +437,9 @@ class PolicyUpdater:
             opening.backward_from(opened)
         return micro_metrics
 
-    def _passes_in_step(self, model, tensors: StepTensors, mini: list[int], recorded, totals, micro_metrics) -> None:
+    def _passes_in_step(
+        self, model, tensors: StepTensors, mini: list[int], recorded, totals, micro_metrics, before_backward
+    ) -> None:
         """Several ranks: each micro-batch one pass (its prompts inside it), as many passes on
         every rank (the others' padded with passes of zero weight) and, when any rank's rows have
         images, the tower run first in every pass (lockstep.py); each pass's backward
@@ -457,6 +460,7 @@ class PolicyUpdater:
                     loss, m = self._micro_loss(model, tensors, micro, recorded=recorded, vision=vision)
                     loss = loss * (self._account(micro_metrics, tensors, micro, m, totals) * self.ranks.world)
                 if loss.requires_grad:  # nothing trainable ran: no rank has a gradient to reduce
+                    before_backward()
                     loss.backward()
                 if images is not None:
                     images.backward()

@@ -269,8 +269,10 @@ class _Sizes:
             # (the LM head's weight among them, tied to the embeddings or not)
             self.generation_parts["weights cast for autocast"] = (shape.linear + shape.vocab * shape.hidden) * rollout_bytes * gb
         if world > 1 and not r.max_staleness:  # the built-in engine decodes on the gathered policy:
-            # FSDP's all-gathered copy (in the compute dtype), beside the shards
+            # FSDP's all-gathered copy (in the compute dtype), beside the shards, and the buffer a
+            # module's all-gather lands in before it is copied out (the largest: the root's)
             self.generation_parts["gathered policy"] = shape.params * self.compute_bytes * gb
+            self.generation_parts["all-gather buffer"] = max(shape.root, shape.layer) * self.compute_bytes * gb
         self.awake_in_update = (kv_need + logits) if r.max_staleness else 0.0
 
     def _held(self) -> dict[str, float]:
@@ -333,14 +335,16 @@ class _Sizes:
     def _pass_settings(self) -> PassSettings:
         """How the update's passes compute: under FSDP the weights are gathered in the compute
         dtype (mixed precision), so the residual stream is in it too; in one process autocast
-        leaves it in the weights' dtype."""
-        a, on_cpu = self.cfg.actor, self.devices.kind == "cpu"
+        leaves it in the weights' dtype. A CPU's lean layers and attention patch modules, which
+        FSDP's are not: one process only."""
+        a = self.cfg.actor
+        lean = self.devices.kind == "cpu" and self.world == 1  # a CPU's layer patches: one process only
         return PassSettings(
             stream=self.compute_bytes if self.world > 1 else self.param_bytes,
             compute=self.compute_bytes,
             checkpointing=bool(self.cfg.model.gradient_checkpointing),
-            lean_layers=on_cpu and a.lean_mlp and a.lean_norm,
-            lean_attention=on_cpu and a.lean_attention,
+            lean_layers=lean and a.lean_mlp and a.lean_norm,
+            lean_attention=lean and a.lean_attention,
             logits_chunk=a.logits_chunk_size,
         )
 
