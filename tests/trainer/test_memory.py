@@ -399,11 +399,12 @@ def test_the_meter_sees_a_phases_own_peak():
 
 
 @pytest.mark.slow
-def test_the_plan_is_within_a_fifth_of_the_measured_peaks_on_one_process_and_two_ranks(tmp_path):
+def test_the_plan_is_within_15_percent_of_the_measured_peaks_on_one_process_and_two_ranks(tmp_path):
     """A 133M-parameter model (float32, 3 wide layers) trained two steps as its own process and on
-    2 ranks under torchrun: each phase's planned peak per rank (memory_plan.json) within 20% of
-    the resident set it measured (step 1's start-up, step 2's generation and update, once
-    AdamW's state exists). Prompts and responses run to their limits, as the plan assumes."""
+    2 ranks under torchrun (ZeRO-3): each phase's planned peak per rank (memory_plan.json) within
+    15% of the resident set it measured (step 1's start-up, step 2's generation and update, once
+    AdamW's state exists). Responses run to their limit, as the plan assumes; the plan takes the
+    data's longest prompt. (benchmarks/memory_plan.py: a 331M model on 1, 2 and 4 ranks.)"""
     from helpers import run_grouprl, train_here
 
     model_dir = tmp_path / "model"
@@ -434,4 +435,4 @@ def test_the_plan_is_within_a_fifth_of_the_measured_peaks_on_one_process_and_two
         }
         for phase, got in measured.items():
             print(f"{ranks} rank(s), {phase}: planned {plan[phase]['peak_gb']:.3f} GiB, measured {got:.3f}")
-            assert plan[phase]["peak_gb"] == pytest.approx(got, rel=0.2), (ranks, phase, plan[phase], got)
+            assert plan[phase]["peak_gb"] == pytest.approx(got, rel=0.15), (ranks, phase, plan[phase], got)

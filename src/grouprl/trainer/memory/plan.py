@@ -351,15 +351,17 @@ class _Sizes:
     def _sharded_parts(self) -> dict[str, float]:
         """ZeRO-3 (several ranks): the gradients reduce-scattered into shards each micro-batch
         (or whole between reductions, actor.fsdp_reduce_every), the layers FSDP gathers one at a
-        time (the running one, the prefetched one, and one layer's gradient with its reduction
-        buffer), the root's own weights (embeddings, head, norms) whole through the pass, and the
-        LM head's gradient whole from its backward on."""
+        time (in backward the running one and its gradient with the reduce-scatter's buffer), the
+        root's own weights (embeddings, head, norms) whole through the pass, and the LM head's
+        gradient whole from its backward on."""
         a, shape, gb, c = self.cfg.actor, self.shape, 1 / GIB, self.compute_bytes
         reduce_bytes = 4 if a.fsdp_reduce_dtype == "float32" else c
         parts = {"gradient shard": 0.0 if self.offloaded else self.grads}
         if getattr(a, "fsdp_reduce_every", 1) != 1:
             parts["gradients whole (between reductions)"] = shape.trainable * reduce_bytes * gb
-        parts["decoder layers gathered (FSDP)"] = shape.layer * (3 * c + reduce_bytes) * gb
+        # the layer whose backward runs, whole, and its gradient with the reduce-scatter's buffer
+        # (in forward: it and the layer prefetched, less)
+        parts["decoder layers gathered (FSDP)"] = shape.layer * (2 * c + reduce_bytes) * gb
         parts["root weights whole (FSDP)"] = shape.root * c * gb
         if self._lm_trains():
             parts["LM head gradient whole"] = shape.vocab * shape.hidden * c * gb
@@ -406,11 +408,12 @@ class _Sizes:
             boundary = {**resident, **activation_parts(shape, prompts_only, settings, heads=False)}
             # the decoder's, in the compute dtype (autocast's cached cast of a weight, or FSDP's
             # gathered bf16 weight, is what both passes use), and the input embeddings' in the
-            # residual stream's (a dense [vocab, hidden] gradient from each pass: the second is
-            # summed into the first, a copy while it is)
+            # residual stream's (a dense [vocab, hidden] gradient from each pass; in one process
+            # the second is summed into the first in a copy, beside the accumulated .grad)
             embeddings = shape.vocab * shape.hidden if self._lm_trains() else 0
             decoder = min(shape.trainable - embeddings, shape.layer * shape.layers)
-            waiting = decoder * self.compute_bytes + 2 * embeddings * settings.stream
+            copies = 1 if self.world > 1 else 2
+            waiting = decoder * self.compute_bytes + copies * embeddings * settings.stream
             boundary["gradients waiting for the prompts' pass"] = waiting * gb
             phases.append(Phase("update", boundary))
         if self.parked_reference:  # on the device for its pass only, before the update's passes begin
