@@ -79,7 +79,7 @@ def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_
     assert code == 0 and err == ""
     assert (
         "  rollout: vLLM in-process, one engine on each of the 8 ranks, on that rank's GPU with the whole model "
-        "(tensor parallel 1), 50% of the GPU; between rollouts (CUDA) sleep level 2: weights and KV cache freed; "
+        "(tensor parallel 1), 80% of the GPU; between rollouts (CUDA) sleep level 2: weights and KV cache freed; "
         "CUDA graphs"
     ) in out.splitlines()
     assert "reward: 0.8 x judge + 0.2 x ndcg; judges: gemini (openai gemini-2.5-flash) (streamed per group)" in out
@@ -88,7 +88,7 @@ def test_dry_run_of_the_source_recipe_shows_vllm_on_every_rank(capsys, no_model_
     assert code == 0 and err == ""
     assert (
         "  rollout: vLLM in-process, one engine on each of the 8 ranks, on that rank's GPU with the whole model "
-        "(tensor parallel 1), 50% of the GPU; between rollouts (CUDA) sleep level 0: awake throughout; "
+        "(tensor parallel 1), 80% of the GPU; between rollouts (CUDA) sleep level 0: awake throughout; "
         "CUDA graphs; asynchronous: up to 1 step(s) ahead of the update (fixed_lag), on a thread of its own over a "
         "whole copy of the policy on each rank"
     ) in out.splitlines()

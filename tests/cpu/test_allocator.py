@@ -170,3 +170,30 @@ def test_without_glibc_backward_is_not_hooked(monkeypatch):
     monkeypatch.setattr(allocator, "_glibc", lambda: None)
     with allocator.trim_during_backward(model, 1) as hooked:
         assert hooked == 0
+
+
+def test_layers_fsdp_gave_a_class_of_their_own_are_found_and_forward_trims_leave_outputs_alone(monkeypatch):
+    """FSDP2 makes each sharded layer an instance of a class of its own deriving from the layer's
+    (FSDPLlamaDecoderLayer): still a decoder layer. A forward trims after every n-th layer and
+    returns what it would have returned."""
+    import torch
+
+    from helpers import tiny_model_and_tokenizer
+
+    model, _ = tiny_model_and_tokenizer(num_hidden_layers=4)
+    layers = list(model.model.layers)
+    for layer in layers:  # as fully_shard does
+        layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
+    assert allocator.decoder_layers(model) == layers
+    monkeypatch.setattr(allocator, "_glibc", lambda: object())
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    calls = _count_trims(monkeypatch)
+    with allocator.trim_during_forward(model, 2) as hooked, torch.no_grad():
+        assert hooked == 2
+        trimmed = model(input_ids=ids).logits
+    assert calls == ["trim"] * 2 and torch.equal(plain, trimmed)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert calls == ["trim"] * 2  # hooks removed on leaving

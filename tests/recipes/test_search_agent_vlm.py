@@ -48,7 +48,7 @@ def test_the_vlm_search_agent_recipe_runs_sft_then_rl_on_page_images(tmp_path, m
     cfg = load_config(str(ROOT / "configs" / "search_agent_vlm.yaml"), [
         f"data.train_files=[{data / 'train.parquet'}]", "data.val_files=[]", "data.max_prompt_length=4096",
         f"model.path={sft_dir / 'model'}", f"agent.retriever.index={data / 'index'}", "agent.max_turns=3",
-        "agent.max_observation_tokens=120", "rollout.max_response_length=32", "rollout.check_log_probs=true",
+        "agent.max_observation_tokens=160", "rollout.max_response_length=32", "rollout.check_log_probs=true",
         "actor.dtype=float32", "trainer.device=cpu", "trainer.total_steps=1", "trainer.save_freq=0",
         "trainer.save_best=false", "trainer.save_final=false", f"trainer.output_dir={tmp_path / 'runs'}",
     ])  # fmt: skip

@@ -10,8 +10,8 @@ A random tiny policy never writes an action, so its first three turns are script
 sampler (tests/recipes/forced_vllm.py: only the scripted token may be drawn; the log-prob vLLM
 reports is the model's own): search, crop the page shown, declare the search complete. Checked:
 every trajectory of both ranks in rollouts.jsonl with the page it was shown and the crop, the
-rewards of both parts, the engine-trainer log-prob gap per step and per turn (float32: float
-noise), the rewards streamed, and `final/` loading as a VLM.
+rewards of both parts, the engine-trainer log-prob gap per step and per turn (the recipe's bf16
+compute: bf16's rounding), the rewards streamed, and `final/` loading as a VLM.
 """
 
 import json
@@ -101,12 +101,12 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
                 # vLLM's share): on a CPU each rank's cache is what its rollout can fill
                 "rollout.n_agent=2", "rollout.max_response_length=48",
                 "rollout.enforce_eager=true", "rollout.check_log_probs=true",
-                "agent.max_turns=3", "agent.max_observation_tokens=120",
+                "agent.max_turns=3", "agent.max_observation_tokens=200",  # the crop, the last-turn note, turn markers
                 f"agent.answer_base_url={server.base_url}", f"agent.answer_model={ANSWER_MODEL}",
                 f"agent.retriever.url=http://127.0.0.1:{service.port}/search",
                 f"reward.judges[0].base_url={server.base_url}", "reward.judges[0].cache_path=",
                 "reward.judges[0].max_retries=1", "reward.judges[0].backoff_base_s=0.001",
-                "actor.mini_batch_size=2", "actor.micro_batch_size=2", "actor.dtype=float32",
+                "actor.mini_batch_size=2", "actor.micro_batch_size=2",  # the recipe's bf16 compute
                 "actor.optim.warmup_steps=0", "actor.optim.warmup_ratio=0",
                 "trainer.total_steps=2", "trainer.device=cpu", f"trainer.output_dir={tmp_path / 'runs'}",
                 "trainer.experiment_name=source", "trainer.loggers=[jsonl]", "trainer.save_freq=0",
@@ -140,7 +140,8 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
     engine = plan["phases"]["generation"]["parts"]["engine (vLLM)"]
     assert engine < 0.5 and engine * 2 < 0.1 * plan["devices"]["memory_gb"]
     saved = yaml.safe_load((run / "config.yaml").read_text())["rollout"]
-    assert saved["kv_cache_gb"] == 0.25 and saved["max_model_len"] == 4096 + 3 * 48 + 3 * 120
+    # the run's longest sequence: the prompt, 3 turns, 2 observations and the frozen answer (256 tokens and a newline)
+    assert saved["kv_cache_gb"] == 0.25 and saved["max_model_len"] == 4096 + 3 * 48 + 2 * 200 + 257
     steps = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "time/step" in m}
     assert sorted(steps) == [1, 2]
     for m in steps.values():
@@ -148,8 +149,10 @@ def test_the_source_run_scaled_down_on_two_ranks_with_vllm(tmp_path):
         assert "reward/judge" in m and "reward/ndcg" in m
         assert m["time/reward_hidden"] >= 0  # scored while generation went on
         assert all(f"rollout/mismatch_mean/turn_{k}" in m for k in (1, 2, 3))
-    # float32: every rank's engine samples the trainer's distribution
-    assert all(m["rollout/mismatch_max"] < 1e-4 for m in steps.values())
+    # bf16, as the recipe computes (vLLM's pixels are the trainer's rounded to bf16): every rank's
+    # engine samples the trainer's distribution within bf16's rounding (measured: mean 0.017-0.019,
+    # max 0.08)
+    assert all(m["rollout/mismatch_mean"] < 0.05 and m["rollout/mismatch_max"] < 0.5 for m in steps.values())
     records = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 2  # 2 steps x 2 groups (one per rank) x 2 samples
     for step in (1, 2):

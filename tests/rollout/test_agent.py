@@ -18,11 +18,13 @@ from test_chat import EXPECTED_DELTA, chat_tokenizer
 
 from grouprl.config import AgentConfig, load_config
 from grouprl.data.sample import Sample
+from grouprl.errors import ConfigError
 from grouprl.rewards.composite import CompositeReward
 from grouprl.rewards.retrieval import final_answer
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import LAST_TURN, PROTOCOL, PROTOCOL_SELF_ANSWER, correction
 from grouprl.rollout.answer import AnswerResult
+from grouprl.rollout.chat import ChatRenderer
 from grouprl.rollout.engines import Generation, ReprefillSession, SamplingParams
 from grouprl.rollout.tools.base import Observation
 
@@ -342,21 +344,33 @@ def test_response_token_budget_ends_the_trajectory():
 
 
 def test_long_observations_are_cut_to_max_observation_tokens():
+    """The observation as the policy is fed it (turn markers and text) holds at most
+    max_observation_tokens: the text is cut at a token and marked."""
     tokenizer = chat_tokenizer("chatml")
 
     class Verbose:
         async def __call__(self, argument, state):
             return Observation("word " * 100)
 
+    chat = ChatRenderer(tokenizer, "user")
+    markers = len(chat.observation_ids(""))  # the turn's end and the next's start
+    mark = len(tokenizer(" [...]", add_special_tokens=False)["input_ids"])
+    # the least a limit may be: the markers, the longer last-turn note and a token of text
+    least = len(chat.observation_ids("\n\n" + max(LAST_TURN.values(), key=len))) + 1
     loop = make_loop(
         tokenizer,
         scripted(["<search>a</search>", "<search_complete>true</search_complete>"]),
         {"search": Verbose()},
         FakeAnswers(),
-        max_observation_tokens=20,
+        max_observation_tokens=least + 12,
     )
     (t,) = loop.run(samples(1), loop.encode_prompts(samples(1)), 1, PARAMS)
-    assert spans(tokenizer, t)[1] == (0, EXPECTED_DELTA["chatml"].replace("OBS", "word " * 4 + " [...]"))
+    room = least + 12 - markers - mark
+    kept = tokenizer.decode(tokenizer("word " * 100, add_special_tokens=False)["input_ids"][:room])
+    assert spans(tokenizer, t)[1] == (0, EXPECTED_DELTA["chatml"].replace("OBS", kept + " [...]"))
+    assert t.turns[0]["masked_tokens"] == least + 12
+    with pytest.raises(ConfigError, match=rf"agent.max_observation_tokens={least - 1} is below the {least} tokens"):
+        make_loop(tokenizer, scripted([]), max_observation_tokens=least - 1)
 
 
 def test_policy_answers_itself_when_there_is_no_answer_generator():

@@ -169,3 +169,58 @@ def test_a_text_policy_reads_the_observation_text_only(page):
     (t,) = loop.run([sample], [prompt], 1, SamplingParams(max_new_tokens=40))
     assert t.response_images == [] and "<image>" not in t.response_text
     assert "page p1" in t.response_text and [images for _, images in engine.feeds[0]] == [[], [], []]
+
+
+def test_an_observations_images_count_against_its_token_limit(tmp_path):
+    """max_observation_tokens bounds the observation as fed, image tokens included: a 448 x 448
+    page (256 image tokens and 2 markers on this tiny Qwen-VL) is processed again at fewer pixels
+    (aspect kept) to fit the room the turn markers, the last-turn note and the text's share
+    leave; the text gets the rest."""
+    from grouprl.rollout.agent_prompts import LAST_TURN
+    from grouprl.rollout.chat import ChatRenderer
+
+    _, tokenizer, vision = tiny_vlm("qwen2_vl", max_pixels=448 * 448)
+    path = tmp_path / "page.png"
+    Image.new("RGB", (448, 448), (0, 0, 230)).save(path)
+    assert vision.prepare_image(str(path)).num_tokens == 256
+    least = len(ChatRenderer(tokenizer, "user").observation_ids("\n\n" + LAST_TURN["answer"])) + 1
+    limit = least + 40
+    engine = ScriptedVisionEngine(tokenizer, lambda turn: ["<search>a</search>", "<answer>b</answer>"][turn])
+    cfg = AgentConfig(answer_generator="none", max_turns=2, max_observation_tokens=limit)
+
+    class Search(PageSearch):
+        async def __call__(self, argument, state):
+            observation = await super().__call__(argument, state)
+            state.current_image_size = (448, 448)
+            return observation
+
+    loop = AgentLoop(engine, tokenizer, {"search": Search(path)}, cfg, vision=vision)
+    sample = Sample(uid="s", messages=[{"role": "user", "content": "Which colour?"}])
+    (t,) = loop.run([sample], loop.encode_prompts([sample]), 1, SamplingParams(max_new_tokens=40))
+    [shown] = t.response_images
+    assert t.turns[0]["masked_tokens"] <= limit  # the last-turn note included (max_turns=2)
+    assert 4 <= shown.num_tokens < 256 and shown.shown_size[0] == shown.shown_size[1] < 448
+    assert t.turns[0]["page_size"] == list(shown.shown_size)
+    assert "agent/errors/observation_images_left_out" not in loop.stats
+
+
+def test_images_that_cannot_fit_are_left_out_last_first():
+    """fit_images: shrunk to the budget where fewer pixels mean fewer tokens (Qwen), left out,
+    last first, where they do not (a fixed size per image: Idefics3 without tiling)."""
+    from grouprl.rollout.observation_fit import fit_images, image_tokens
+
+    _, _, qwen = tiny_vlm("qwen2_vl", max_pixels=112 * 112)
+    pages = [Image.new("RGB", (112, 112), (0, 0, 230)), Image.new("RGB", (112, 56), (230, 0, 0))]
+    shown = [qwen.prepare_image(p) for p in pages]
+    assert [image_tokens(qwen, im) for im in shown] == [18, 10]  # 16 and 8 image tokens, 2 markers each
+    fitted = fit_images(qwen, pages, shown, 12)
+    assert len(fitted) == 2 and sum(image_tokens(qwen, im) for im in fitted) <= 12
+    assert [im.shown_size[0] / im.shown_size[1] for im in fitted] == [1.0, 2.0]  # aspect kept
+    assert fit_images(qwen, pages, shown, 28) == shown  # within the budget: as they were
+    assert fit_images(qwen, pages, shown, 2) == []
+
+    _, _, idefics = tiny_vlm("idefics3")
+    shown = [idefics.prepare_image(p) for p in pages]
+    each = image_tokens(idefics, shown[0])
+    assert image_tokens(idefics, idefics.prepare_image(pages[0].resize((8, 8)))) == each  # pixels do not matter
+    assert fit_images(idefics, pages, shown, 2 * each - 1) == shown[:1]

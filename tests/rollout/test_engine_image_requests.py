@@ -6,6 +6,7 @@ in the vLLM environment.)"""
 from dataclasses import replace
 
 import pytest
+import torch
 
 from grouprl.config import RolloutConfig
 from grouprl.errors import ModelLoadError
@@ -45,16 +46,33 @@ def test_an_image_whose_tokens_are_missing_is_named():
         collapse_images(cut, expansions, [vision.family.image_token_id])
 
 
-def test_a_processed_image_keeps_its_source_and_its_stubs_do_not():
-    """The source is the image the processor read (within the pixel limits); the trainer's
-    pixel-less stubs (`dataclasses.replace`) leave it behind, and equality ignores it."""
-    _, _, vision = tiny_vlm("qwen2_vl")
+def test_a_processed_image_keeps_its_source_through_fsdps_cast_and_the_prompt_stubs_do_not():
+    """The source is the image the processor read (within the pixel limits). FSDP's mixed
+    precision rebuilds the dataclasses among a forward's inputs with their floating tensors cast
+    (`dataclasses.replace`): the image keeps its source and key, its pixels become bf16. The
+    trainer's pixel-less stubs of the prompts' images leave the source behind; equality ignores it."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from grouprl.config import load_config
+    from grouprl.data.sample import Sample
+    from grouprl.trainer.setup import PromptEncoder
+
+    _, tokenizer, vision = tiny_vlm("qwen2_vl")
     vision.max_pixels = 56 * 28
     image = colours(1, size=(112, 56))[0]
     prepared = vision.prepare_image(image)
     assert prepared.source.size == prepared.original_size == (56, 28)  # halved to fit
-    stub = replace(prepared, tensors={}, text="")
-    assert stub.source is None and stub.key == prepared.key
+    [cast] = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, [prepared])
+    assert cast.source is prepared.source and cast.key == prepared.key and cast.grid == prepared.grid
+    pixels = prepared.tensors["pixel_values"]
+    assert pixels.dtype == torch.float32 and torch.equal(cast.tensors["pixel_values"], pixels.to(torch.bfloat16))
+    assert torch.equal(cast.tensors["image_grid_thw"], prepared.tensors["image_grid_thw"])  # integers stay
+
+    encoder = PromptEncoder(load_config(None, []), tokenizer, vision)
+    sample = Sample(uid="s", messages=[{"role": "user", "content": "<image> what?"}], images=[image])
+    encoder.encode([sample], "train")
+    [stub] = encoder._image_stubs[id(sample)]
+    assert stub.source is None and stub.tensors == {} and stub.key == prepared.key
     assert replace(prepared) == prepared
 
 

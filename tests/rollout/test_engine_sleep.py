@@ -350,7 +350,7 @@ def test_agent_turns_and_the_policys_answers_run_in_one_wake(
         "agent.max_turns=3",
         "agent.answer_generator=policy",
         "agent.system_prompt=Answer.",  # short prompts and observations: a fast update
-        "agent.max_observation_tokens=8",
+        "agent.max_observation_tokens=100",  # the least this tokenizer's turn markers and notes allow
         "rollout.n_agent=2",
         "data.val_files=[]",
         "trainer.total_steps=2",

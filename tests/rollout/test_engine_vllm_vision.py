@@ -12,7 +12,9 @@ import gc
 import pytest
 import torch
 
+from grouprl.data.sample import Sample
 from grouprl.rollout.engines.hf import HFEngine, SamplingParams
+from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.logprobs import response_log_probs
 from grouprl.trainer.update import build_step_tensors
 from vision_helpers import VLLM_TEXT, colours, tiny_vlm
@@ -20,6 +22,9 @@ from vision_helpers import VLLM_TEXT, colours, tiny_vlm
 pytestmark = pytest.mark.vllm
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+# |update - vLLM| per token, both in bf16 (vLLM's bf16 weights, the update's autocast over float32
+# weights): bf16's rounding of logits of a few units (measured on these tiny VLMs: mean 0.02-0.03, max 0.13)
+BF16_GAP_MEAN, BF16_GAP_MAX = 0.05, 0.3
 # Idefics3 and SmolVLM split images into tiles (a grid plus the global view); SmolVLM's processor
 # needs num2words in vLLM (for its video prompts; transformers refuses to build it without)
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm"]
@@ -205,16 +210,86 @@ def test_the_engine_refuses_images_processed_otherwise_than_vllm_does(setup):
         engine.generate(prompts, 1, GREEDY, images=images)
     assert raised.value.prompt == 0
 
-    _, _, shifted = build(family)
-    shifted.family.image_processor.image_mean = [0.1, 0.2, 0.3]
-    prompts, images = encode_all(shifted, TEXTS, seed=5)
-    with pytest.raises(ImageMismatch, match="prompt 0, image 0: vLLM's processor gives other pixel_values than the trainer's"):
-        engine.generate(prompts, 1, GREEDY, images=images)
+    said = shifted_mean_refused(engine, tokenizer)
+    assert said.startswith("prompt 0, image 0: vLLM's processor gives other pixel_values than the trainer's; ")
+    mean = tuple(vision.family.image_processor.image_mean)  # the folder's, which vLLM reads
+    assert f"image_mean (0.1, 0.2, 0.3) here, {mean!r} in vLLM's" in said, said  # the setting, both ways
 
     prompts, images = encode_all(vision, TEXTS, seed=5)
     got = engine.generate(prompts, 1, GREEDY, images=images)
     want = HFEngine(model, tokenizer, vision=vision.family).generate(prompts, 1, GREEDY, images=images)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])  # the source's and the embedded VLM's
+def test_a_bf16_engine_takes_the_trainers_pixels_as_it_computes_with_them(tmp_path, family):
+    """vLLM in bf16 (the default dtype where bf16 is native) casts its processor's pixels to bf16:
+    they are the trainer's float32 pixels rounded, which the check accepts (it compares in the
+    dtype vLLM computes with), and vLLM samples the distribution of the update under bf16
+    autocast within bf16's rounding. Pixels that differ beyond rounding are still refused, the
+    message naming the dtype and the setting. Started last: it shuts down on its own."""
+    from grouprl.rollout.engines.vllm import VLLMEngine
+
+    model, tokenizer, vision = build(family, tmp_path)
+    engine = VLLMEngine(
+        model, tokenizer, str(tmp_path), EngineSettings, max_model_len=1024, vision=vision.family, dtype=torch.bfloat16
+    )
+    seen = []
+    check = engine.images.check
+
+    def keeping(i, prompt, images, request):
+        for image, item in zip(images, request["mm_kwargs"].get("image", [])):
+            seen.append((image.tensors["pixel_values"], item["pixel_values"].data))
+        return check(i, prompt, images, request)
+
+    engine.images.check = keeping
+    prompts, images = encode_all(vision, TEXTS)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    generations = engine.generate(prompts, 2, params, torch.Generator().manual_seed(0), images=images)
+    assert len(seen) == 3  # every image processed once
+    for ours, theirs in seen:
+        assert ours.dtype == torch.float32 and theirs.dtype == torch.bfloat16
+        assert torch.equal(theirs, ours.reshape(theirs.shape).to(torch.bfloat16))
+    assert any(not torch.equal(theirs.float(), ours.reshape(theirs.shape)) for ours, theirs in seen)  # rounded
+    trajectories = [
+        Trajectory(
+            sample=Sample(uid=f"p{k // 2}", messages=[]), index=k % 2, prompt_ids=prompts[k // 2],
+            response_ids=g.token_ids, loss_mask=[1] * len(g.token_ids), rollout_log_probs=g.log_probs,
+            prompt_images=images[k // 2],
+        )
+        for k, g in enumerate(generations)
+    ]  # fmt: skip
+    tensors = build_step_tensors(trajectories, "cpu", mask_truncated=False, pad_token_id=0)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        update, _ = response_log_probs(model, tensors.rows(list(range(6))), temperature=1.0, vision=vision.family)
+    gap = (update.float() - tensors.rollout_log_probs)[tensors.loss_mask.bool()].abs()
+    assert gap.numel() == sum(len(g.token_ids) for g in generations)
+    assert gap.mean() < BF16_GAP_MEAN and gap.max() < BF16_GAP_MAX, (gap.mean(), gap.max())
+
+    mean = tuple(vision.family.image_processor.image_mean)
+    said = shifted_mean_refused(engine, tokenizer)
+    assert said.startswith(
+        "prompt 0, image 0: vLLM's processor gives other pixel_values than the trainer's in bfloat16 (vLLM's dtype); "
+    )
+    assert f"image_mean (0.1, 0.2, 0.3) here, {mean!r} in vLLM's" in said, said
+
+
+def shifted_mean_refused(engine, tokenizer) -> str:
+    """The message of the engine's refusal of images the trainer's processor (the engine's
+    family's) normalised with another mean than the model folder's."""
+    from grouprl.rollout.engines.vllm import ImageMismatch
+    from grouprl.vision.processor import VisionProcessor
+
+    processor = engine.images.family.image_processor
+    kept = processor.image_mean
+    processor.image_mean = [0.1, 0.2, 0.3]
+    try:
+        prompts, images = encode_all(VisionProcessor(tokenizer, engine.images.family), TEXTS, seed=5)
+        with pytest.raises(ImageMismatch) as raised:
+            engine.generate(prompts, 1, GREEDY, images=images)
+    finally:
+        processor.image_mean = kept
+    return str(raised.value)
 
 
 def test_with_top_p_at_temperature_1_the_log_probs_leave_the_image_tokens_out(tmp_path, monkeypatch):

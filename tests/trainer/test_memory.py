@@ -111,59 +111,42 @@ def plan_for(*overrides, devices=EIGHT_GPUS, shape=SHAPE):
     return plan_memory(load_config(None, list(overrides)), shape, devices)
 
 
-def test_the_parts_worked_out_by_hand():
-    """1e9 float32 parameters on 8 GPUs (bf16 compute): each holds an eighth of the weights (0.5 GB),
-    of AdamW's two moments (1 GB) and of the gradients; the update gathers every weight whole in
-    bf16 and accumulates whole gradients in FSDP's reduce dtype, float32 (6 GB); generation gives
-    vLLM its share of the device."""
-    plan = plan_for(
-        "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.4", "data.train_batch_size=16",
-        "rollout.n_agent=4", "actor.micro_batch_size=8", "data.max_prompt_length=100",
-        "rollout.max_response_length=28", "model.gradient_checkpointing=true", "actor.logits_chunk_size=256",
-        "actor.micro_batch_tokens=0",
-    )  # fmt: skip
+def test_start_up_by_hand():
+    """Each of 8 GPUs reads its shard's slices of the checkpoint (0.5 GB of 1e9 float32 weights) a
+    tensor at a time (the largest: an eighth of the 100,000 x 2048 embedding in flight); one GPU
+    alone loads the whole model; both with the allocator's margin (5% of what PyTorch allocates).
+    On a CPU the file's pages a rank reads are mapped into it while it reads them."""
     g = 1e9 / GIB
-    generation, update = plan.phase("generation").parts, plan.phase("update").parts
-    assert generation == pytest.approx({
-        "runtime": 1.0, "policy": 4 * g / 8, "optimizer state": 8 * g / 8, "engine (vLLM)": 0.4 * 80,
+    parts = plan_for().phase("startup").parts
+    slice_ = 100_000 * 2048 * 4 / 8 / GIB
+    assert parts == pytest.approx({
+        "runtime": 1.0, "policy shard": 4 * g / 8, "one tensor's slice in flight": slice_,
+        "allocator margin (5%, fragmentation)": 0.05 * (4 * g / 8 + slice_),
     })  # fmt: skip
-    tokens = 8 * 128  # micro-batch rows x (prompt + response)
-    per_token = 4 * 2 * 2048 + 2 * (6 * 2048 + 4 * 5504 + 2 * 512)  # bf16 weights (gathered)
-    checkpointed = tokens * (30 * 2048 * 2 + per_token)  # each layer's input, one layer's activations
-    assert update == pytest.approx({
-        "runtime": 1.0, "policy": 4 * g / 8, "optimizer state": 8 * g / 8, "gradients": 4 * g / 8,
-        "whole weights and gradients (FSDP)": 2 * g + 4 * g,
-        "activations": checkpointed / GIB,
-        "LM head chunk": (256 * 100_000 * 4 * 3 + tokens * 2048 * 2 * 2) / GIB,
-    })  # fmt: skip
-    # vLLM sleeps through the update (level 2), and 16 prompts x 4 over 8 ranks is one micro-batch
-    assert plan.fits and plan.worst.name == "generation"
-    # start-up: each GPU makes its shard, filled from rank 0's host copy a tensor at a time (the
-    # largest: the 100,000 x 2048 embedding); one GPU alone loads the whole model
-    assert plan.phase("startup").parts == pytest.approx(
-        {"runtime": 1.0, "policy shard": 4 * g / 8, "one tensor whole (while filled)": 100_000 * 2048 * 4 / GIB}
-    )
     alone = plan_for(devices=Devices("cuda", 1, 1, 80.0)).phase("startup").parts
-    assert alone == pytest.approx({"runtime": 1.0, "policy": 4 * g})
+    assert alone == pytest.approx({"runtime": 1.0, "policy": 4 * g, "allocator margin (5%, fragmentation)": 0.2 * g})
+    two_cpu_ranks = plan_for(devices=Devices("cpu", 1, 2, 24.0)).phase("startup").parts
+    assert two_cpu_ranks["checkpoint slices (mapped while read)"] == pytest.approx(4 * g / 2)  # config.json's float32
 
 
 def test_the_reference_and_the_optimizer_state_in_host_memory_leave_generation():
     """With a KL reference on 8 GPUs: the reference (a policy shard's size) is off the device while
     the policy generates and through the update's own passes (it comes for its pass, before them:
-    smaller than the update's peak here); AdamW's state is off the device while generating only."""
+    smaller than the update's peak here); AdamW's state is off the device while generating only.
+    Every difference carries the allocator's 5% margin."""
     kl = ["actor.kl_loss_coef=0.01", "rollout.engine=vllm", "model.gradient_checkpointing=true"]
     kept = plan_for(*kl, "actor.reference_offload=false")
     parked = plan_for(*kl)  # auto on CUDA
     both = plan_for(*kl, "actor.optimizer_offload=true")
-    g = 1e9 / GIB
+    g, m = 1e9 / GIB, 1.05
     gen = lambda p: p.phase("generation").parts  # noqa: E731
     upd = lambda p: p.phase("update").parts  # noqa: E731
     assert gen(kept)["reference"] == pytest.approx(4 * g / 8)
     assert gen(parked)["reference (in host memory)"] == 0 and "reference" not in gen(parked)
-    assert parked.phase("generation").peak == pytest.approx(kept.phase("generation").peak - 4 * g / 8)
+    assert parked.phase("generation").peak == pytest.approx(kept.phase("generation").peak - m * 4 * g / 8)
     assert upd(parked)["reference (its pass, beyond the update's own)"] == 0
-    assert parked.phase("update").peak == pytest.approx(kept.phase("update").peak - 4 * g / 8)
-    assert both.phase("generation").peak == pytest.approx(parked.phase("generation").peak - 8 * g / 8)
+    assert parked.phase("update").peak == pytest.approx(kept.phase("update").peak - m * 4 * g / 8)
+    assert both.phase("generation").peak == pytest.approx(parked.phase("generation").peak - m * 8 * g / 8)
     assert "optimizer state" not in gen(both) and upd(both)["optimizer state"] == pytest.approx(8 * g / 8)
     assert both.phase("update").peak == pytest.approx(parked.phase("update").peak)
     assert (parked.resolved["reference"], both.resolved["optimizer state"]) == (
@@ -183,17 +166,21 @@ def test_the_reference_and_the_optimizer_state_in_host_memory_leave_generation()
 
 
 def test_a_second_micro_batch_holds_the_prompt_pass_gradients_and_vllm_awake_stays():
-    """After the first micro-batch the decoder's weight gradients of the responses' pass wait in
-    autograd's buffers for the prompts' pass (shared prefix), beside the accumulated ones; an
-    engine that does not sleep keeps its share through the update."""
+    """One process: after the first micro-batch the responses' weight gradients wait in
+    autograd's buffers for the prompts' pass, beside the gradients accumulated so far (the
+    decoder's in bf16, the gradients of autocast's cached casts; the input embeddings' in
+    float32, and a copy while the two passes' are summed); an engine that does not sleep keeps
+    its share through the update."""
     rows = ["rollout.engine=vllm", "rollout.sleep_level=0", "actor.micro_batch_tokens=0"]
     one = plan_for(*rows, "actor.micro_batch_size=64", devices=Devices("cuda", 1, 1, 80.0))
     two = plan_for(*rows, "actor.micro_batch_size=4", devices=Devices("cuda", 1, 1, 80.0))
-    assert "gradient buffers (prompt pass)" not in one.phase("update").parts
-    assert two.phase("update").parts["gradient buffers (prompt pass)"] == pytest.approx(30 * 30e6 * 4 / GIB)
+    assert "gradients waiting for the prompts' pass" not in one.phase("update").parts
+    embeddings = 100_000 * 2048
+    waiting = min(1e9 - embeddings, 30 * 30e6) * 2 + 2 * embeddings * 4
+    assert two.phase("update").parts["gradients waiting for the prompts' pass"] == pytest.approx(waiting / GIB)
     assert two.phase("update").parts["engine (awake)"] == 0.5 * 80
     unshared = plan_for("actor.shared_prefix=false", "actor.micro_batch_size=4", "actor.micro_batch_tokens=0", devices=Devices("cuda", 1, 1, 80.0))
-    assert "gradient buffers (prompt pass)" not in unshared.phase("update").parts
+    assert "gradients waiting for the prompts' pass" not in unshared.phase("update").parts
 
 
 def test_autocast_keeps_a_cast_of_the_weights_in_one_process():
@@ -201,7 +188,7 @@ def test_autocast_keeps_a_cast_of_the_weights_in_one_process():
     long as the rollout's autocast (built-in engine) and, in the update, as long as backward needs
     them; in float32 there are none, and under FSDP the gathered bf16 weights are those casts."""
     one = plan_for(devices=Devices("cuda", 1, 1, 80.0))
-    cast = 900_000_000 * 2 / GIB  # SHAPE's linear weights, tied head
+    cast = (900_000_000 + 100_000 * 2048) * 2 / GIB  # SHAPE's linear weights and its (tied) LM head's
     assert one.phase("generation").parts["weights cast for autocast"] == pytest.approx(cast)
     assert one.phase("update").parts["weights cast for autocast"] == pytest.approx(cast)
     fp32 = plan_for("actor.dtype=float32", devices=Devices("cuda", 1, 1, 80.0))
@@ -256,21 +243,29 @@ def token_sized_saved_bytes(model, run, context, tokens: int) -> int:
 
 
 # ------------------------------------------------------------------------- the source's job, dry
-def test_the_source_recipe_for_a_7b_vlm_fits_8_gpus_and_one_is_refused_with_what_would_fit(tmp_path, capsys):
+def test_the_source_recipe_for_a_7b_vlm_fits_8_gpus_without_offload_and_one_is_refused(tmp_path, capsys):
+    """8 x 80 GB cards (79.2 GiB as they report it): ZeRO-3 keeps the update in eighths, so the
+    recipe fits without FSDP's offload, AdamW on the GPUs, its vLLM share (0.8) within the
+    plan's generation budget; one card is refused with what would fit; cards of unknown memory
+    (a dry run on a laptop) get the plan per device and the line that says how to check it."""
     folder = architectures.write_config("qwen2.5-vl-7b", tmp_path)
-    base = ["train", "--dry-run", SOURCE, f"model.path={folder}", "trainer.gpu_memory_gb=80"]
+    cfg = load_config(SOURCE, [])
+    assert not cfg.actor.fsdp_offload and cfg.rollout.gpu_memory_utilization == 0.8
+    base = ["train", "--dry-run", SOURCE, f"model.path={folder}"]
+    assert main([*base, "trainer.n_gpus_per_node=8", "trainer.gpu_memory_gb=79.2"]) == 0
+    out = capsys.readouterr().out
+    assert "8.29B parameters" in out and "devices: 1 node x 8 GPUs of 79.2 GiB: fits, " in out
+    share = float(out.split("may take up to rollout.gpu_memory_utilization=")[1].split()[0])
+    assert 0.8 < share < 0.9 and "optimizer state (offloaded)" not in out and "gradient shard" in out
+    assert main([*base, "trainer.n_gpus_per_node=1", "trainer.gpu_memory_gb=79.2"]) == 1
+    refused = [line for line in capsys.readouterr().out.splitlines() if "memory plan: the update phase needs" in line]
+    assert len(refused) == 1 and "would fit with: trainer.n_gpus_per_node=8" in refused[0]
+    assert "trainer.memory_check=warn" in refused[0]
+    # a dry run for GPUs this machine lacks: the plan, no refusal
     assert main([*base, "trainer.n_gpus_per_node=8"]) == 0
     out = capsys.readouterr().out
-    assert "8.29B parameters" in out and "devices: 1 node x 8 GPUs of 80.0 GiB: fits" in out
-    assert "engine (vLLM)" in out and "gradient_checkpointing=true" in out
-    assert main([*base, "trainer.n_gpus_per_node=1"]) == 1
-    out = capsys.readouterr().out
-    refused = [line for line in out.splitlines() if "memory plan: the update phase needs" in line]
-    assert len(refused) == 1 and "would fit with: model.lora.rank=64" in refused[0]
-    assert "trainer.n_gpus_per_node=2" in refused[0] and "trainer.memory_check=warn" in refused[0]
-    # a dry run for GPUs this machine lacks needs their memory, in one line
-    assert main(["train", "--dry-run", SOURCE, f"model.path={folder}", "trainer.n_gpus_per_node=8"]) == 2
-    assert "set trainer.gpu_memory_gb" in capsys.readouterr().err
+    assert "devices: 1 node x 8 GPUs of unknown memory: set trainer.gpu_memory_gb to check the fit" in out
+    assert "peak per device" in out and "vLLM takes rollout.gpu_memory_utilization=0.80 of each device" in out
 
 
 def test_the_source_recipe_keeps_float32_master_weights_and_bf16_weights_at_its_lr_are_warned():
@@ -293,8 +288,8 @@ def test_devices_are_the_named_ones_or_those_present(monkeypatch):
     cfg = load_config(None, ["trainer.n_gpus_per_node=4", "trainer.nnodes=2", "trainer.gpu_memory_gb=40"])
     assert devices_for(cfg) == Devices("cuda", 2, 4, 40.0, named=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match="trainer.gpu_memory_gb"):
-        devices_for(load_config(None, ["trainer.n_gpus_per_node=4"]))
+    unknown = devices_for(load_config(None, ["trainer.n_gpus_per_node=4"]))  # GPUs this machine lacks
+    assert unknown == Devices("cuda", 1, 4, 0.0, named=True) and not unknown.known
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     here = devices_for(load_config(None, ["trainer.device=cpu"]))
@@ -313,8 +308,8 @@ def test_vllm_on_a_cpu_takes_the_cache_its_rollout_can_fill_not_a_share_of_the_h
     assert settled.rollout.kv_cache_gb == pytest.approx(1.1 * need, abs=1e-3)
     assert settled.rollout.max_model_len == 256
     on_gpus = settle_for_devices(cfg, SHAPE, Devices("cuda", 1, 2, 80.0)).rollout
-    assert (on_gpus.kv_cache_gb, on_gpus.max_model_len) == (0.0, 0)  # a GPU's share is its own
-    explicit = load_config(None, ["rollout.engine=vllm", "rollout.kv_cache_gb=0.5"])
+    assert (on_gpus.kv_cache_gb, on_gpus.max_model_len) == (0.0, 256)  # a GPU's share is its own
+    explicit = load_config(None, ["rollout.engine=vllm", "rollout.kv_cache_gb=0.5", "rollout.max_model_len=100"])
     assert settle_for_devices(explicit, SHAPE, Devices("cpu", 1, 2, 24.0)).rollout == explicit.rollout
 
 
@@ -369,12 +364,22 @@ def test_a_run_that_would_not_fit_stops_before_its_model_loads(tmp_path, model_d
     assert summary and any(r.getMessage().startswith("memory plan: the ") for r in caplog.records)
 
 
-def test_a_run_writes_its_plan_and_logs_each_phases_peak(tmp_path, model_dir):
+def test_a_run_writes_its_plan_and_logs_each_phases_peak(tmp_path, model_dir, capsys):
+    """The plan takes the data's longest prompt (in a run and in a dry run, which reads the data
+    as the run does), its rows from the rank's share of the batch."""
     config = write_run_config(tmp_path, model_dir)
-    Trainer(load_config(config, ["trainer.total_steps=2", "trainer.val_before_train=false"])).fit()
+    trainer = Trainer(load_config(config, ["trainer.total_steps=2", "trainer.val_before_train=false"]))
+    longest = max(len(p) for p in trainer.train_prompts + trainer.val_prompts if p)
+    assert longest < 64  # the limit
+    trainer.fit()
     run = tmp_path / "runs" / "run"
     plan = json.loads((run / "memory_plan.json").read_text())
     assert plan["fits"] and plan["devices"]["kind"] == "cpu" and plan["phases"]["update"]["peak_gb"] > 0
+    assert plan["resolved"]["micro-batch"].startswith(f"4 rows of 6 response tokens on 1 prompt(s) of {longest} (the data's longest)")
+    assert main(["train", "--dry-run", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert f"data: the longest of 12 prompts is {longest} tokens (images counted), of data.max_prompt_length=64" in out
+    assert f"on 1 prompt(s) of {longest} (the data's longest)" in out
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"actor/' in line]
     assert "perf/peak_gb/startup" in steps[0] and "perf/peak_gb/startup" not in steps[1]
     for m in steps:  # within the process's lifetime peak (getrusage counts a little differently)
@@ -394,11 +399,12 @@ def test_the_meter_sees_a_phases_own_peak():
 
 
 @pytest.mark.slow
-def test_the_plan_is_within_a_fifth_of_the_measured_peaks_on_one_process_and_two_ranks(tmp_path):
+def test_the_plan_is_within_15_percent_of_the_measured_peaks_on_one_process_and_two_ranks(tmp_path):
     """A 133M-parameter model (float32, 3 wide layers) trained two steps as its own process and on
-    2 ranks under torchrun: each phase's planned peak per rank (memory_plan.json) within 20% of
-    the resident set it measured (step 1's start-up, step 2's generation and update, once
-    AdamW's state exists). Prompts and responses run to their limits, as the plan assumes."""
+    2 ranks under torchrun (ZeRO-3): each phase's planned peak per rank (memory_plan.json) within
+    15% of the resident set it measured (step 1's start-up, step 2's generation and update, once
+    AdamW's state exists). Responses run to their limit, as the plan assumes; the plan takes the
+    data's longest prompt. (benchmarks/memory_plan.py: a 331M model on 1, 2 and 4 ranks.)"""
     from helpers import run_grouprl, train_here
 
     model_dir = tmp_path / "model"
@@ -429,4 +435,4 @@ def test_the_plan_is_within_a_fifth_of_the_measured_peaks_on_one_process_and_two
         }
         for phase, got in measured.items():
             print(f"{ranks} rank(s), {phase}: planned {plan[phase]['peak_gb']:.3f} GiB, measured {got:.3f}")
-            assert plan[phase]["peak_gb"] == pytest.approx(got, rel=0.2), (ranks, phase, plan[phase], got)
+            assert plan[phase]["peak_gb"] == pytest.approx(got, rel=0.15), (ranks, phase, plan[phase], got)

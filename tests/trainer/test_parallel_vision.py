@@ -5,9 +5,12 @@ samples, rewards, losses and gradient norms, the same final weights, the tower's
 The data mixes prompts with and without an image, read in file order so that the mini-batches
 (one group per rank) cover every case: an image on rank 0 only, on rank 1 only, on both, on
 neither (there the tower gets no gradient on any rank, and is not stepped, as in one process).
-A rank whose rows had no image still makes the tower's reductions: the sync pass runs the tower
-on a blank image, which the test of every trainable weight's zero gradient below covers."""
+Weights stay sharded through the update (ZeRO-3): every pass of every rank runs the tower first,
+on a blank image where the pass has none, whenever some rank's rows have an image, and a rank
+with fewer passes pads with passes over one pad token; the test of every trainable weight's
+zero gradient below covers what such a pass leaves."""
 
+import contextlib
 import json
 
 import pytest
@@ -17,8 +20,10 @@ from tiny import LOWER_FRACTION
 from vision_task import write_vision_run
 
 from grouprl.config import load_config
+from grouprl.trainer.lockstep import PassImages, pad_batch
+from grouprl.trainer.logprobs import response_log_probs
 from grouprl.trainer.models import load_causal_lm
-from grouprl.trainer.parallel import Ranks, decoder_layers, sync_pass
+from grouprl.trainer.parallel import Ranks, decoder_layers
 from grouprl.trainer.setup import check_parallel
 from grouprl.vision.families import family_class, is_vision_config
 from helpers import REORDERED, run_grouprl, train_here
@@ -121,11 +126,12 @@ def test_a_trainable_tower_on_two_ranks_equals_one_process(tmp_path, family, ove
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_sync_pass_gives_every_trainable_weight_a_zero_gradient(tmp_path, family, lora):
-    """What keeps the ranks' reductions alike: after the sync pass every trainable weight, the
-    tower's and connector's included, holds a gradient, all zeros (the update is unchanged);
-    and FSDP shards the tower layer by layer (Idefics3's encoder layers, not only their
-    attention)."""
+def test_a_padding_pass_gives_every_trainable_weight_a_zero_gradient(tmp_path, family, lora):
+    """What keeps the ranks' reductions alike: after a pass of zero weight (the tower on its
+    blank image first, then one pad token through the language model, then the tower's
+    backward) every trainable weight, the tower's and connector's included, holds a gradient,
+    all zeros (the update is unchanged); and FSDP shards the tower layer by layer (Idefics3's
+    encoder layers, not only their attention)."""
     _, _, vision = tiny_vlm(family, tmp_path)
     settings = [f"model.path={tmp_path}", "model.freeze_vision_tower=false"]
     if lora:
@@ -138,7 +144,12 @@ def test_the_sync_pass_gives_every_trainable_weight_a_zero_gradient(tmp_path, fa
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert any(n.removeprefix("base_model.model.").startswith(tower) for n in trainable)
     model.train()
-    sync_pass(model, 0, vision.family).backward()
+    images = PassImages(model, vision.family, None, contextlib.nullcontext())
+    assert images.blank and images.leaf.requires_grad
+    lp, _ = response_log_probs(model, pad_batch(0, "cpu"), vision=images.family)
+    (lp.sum() * 0.0).backward()
+    assert images.leaf.grad is not None and not images.leaf.grad.any()  # the blank's features entered the pass
+    images.backward()
     for name, p in trainable.items():
         assert p.grad is not None and not p.grad.any(), name
     assert {type(b).__name__ for b in decoder_layers(model)} == BLOCKS[family]

@@ -1,12 +1,10 @@
-"""Loading a policy sharded over ranks (trainer/setup.py, parallel.shard's `source`): rank 0 reads
-the weights into host memory, the other ranks build the model with its parameters on the meta
-device, and each rank's shards are made on its device and filled from rank 0's, a tensor at a
-time. On two ranks (torch.multiprocessing, gloo) the sharded policy gathered whole is what one
-process loads (a tied head, LoRA adapters as rank 0 initialised them, a VLM's tower and its
-rotary tables), and rank 1 never holds the whole model."""
-
-import os
-import re
+"""Loading a policy sharded over ranks (trainer/slices.py, parallel.shard's `source`): every rank
+builds the model with its parameters on the meta device and reads only its shards' slices of the
+safetensors files. On two ranks (torch.multiprocessing, gloo) the sharded policy gathered whole
+is what one process loads (a tied head, an untied one, LoRA adapters drawn from the seed, a VLM's
+tower under transformers' renamed keys and its rotary tables), each rank read about half the
+model's bytes, and a whole copy (the generation copy of asynchronous runs) reads every byte once.
+A checkpoint that is not safetensors loads the old way: rank 0 reads it and broadcasts it."""
 
 import pytest
 import torch
@@ -14,10 +12,12 @@ from test_sharded_push import on_two_ranks
 
 from grouprl.config import LoraConfig, ModelConfig
 from grouprl.trainer.models import load_causal_lm
-from grouprl.trainer.parallel import fill_from_rank0, shard, whole_state_dict
+from grouprl.trainer.parallel import load_into, shard, whole_state_dict
+from grouprl.trainer.slices import Checkpoint, seed_adapters
 from helpers import tiny_model_and_tokenizer
 
 CPU = torch.device("cpu")
+KINDS = ("tied", "untied", "lora", "qwen2_vl", "bin")
 
 
 def settings(folder, kind: str) -> ModelConfig:
@@ -39,74 +39,72 @@ def load_on_rank(rank: int, folders: dict[str, str]) -> None:
 def load_kind_on_rank(rank: int, folder: str, kind: str) -> None:
     cfg = settings(folder, kind)
     torch.manual_seed(0)
-    model = load_causal_lm(cfg, folder, CPU, torch.float32, weights=rank == 0)
-    assert all(p.is_meta for p in model.parameters()) == (rank != 0)
-    source = dict(model.state_dict()) if rank == 0 else {}
+    model = load_causal_lm(cfg, folder, CPU, torch.float32, weights=False)
+    assert all(p.is_meta for p in model.parameters())
+    source = Checkpoint.of(model, folder, torch.initial_seed())
+    assert (source is None) == (kind == "bin")
+    if source is None:  # rank 0 reads the whole model and broadcasts it
+        whole_model = loaded_here(folder, kind) if rank == 0 else None
+        source = dict(whole_model.state_dict()) if rank == 0 else {}
     shard(model, source=source, device=CPU)
-    got, want = whole_state_dict(model), loaded_here(folder, kind).state_dict()
+    want_model = loaded_here(folder, kind)
+    got, want = whole_state_dict(model), want_model.state_dict()
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
     buffers = dict(model.named_buffers())
-    for name, b in loaded_here(folder, kind).named_buffers():  # built on each rank, kept through the fill
+    for name, b in want_model.named_buffers():  # built on each rank, kept through the fill
         assert torch.equal(buffers[name], b), name
-    # a whole copy (the generation copy of asynchronous runs) filled the same way
+    whole_bytes = sum(t.numel() * t.element_size() for t in {id(p): p for p in want_model.parameters()}.values())
+    if isinstance(source, Checkpoint):  # this rank's slices only: half the model, a row or so more
+        assert 0.4 * whole_bytes < source.read_bytes < 0.6 * whole_bytes, (source.read_bytes, whole_bytes)
+        source.read_bytes = 0
+    # a whole copy (the generation copy of asynchronous runs) loaded the same way
     copy = load_causal_lm(cfg, folder, CPU, torch.float32, weights=False)
-    fill_from_rank0(copy, source, CPU)
+    load_into(copy, source, CPU)
     whole = dict(copy.state_dict())
     assert all(torch.equal(whole[name], want[name]) for name in want)
+    if isinstance(source, Checkpoint):
+        adapters = sum(t.numel() * 4 for n, t in want_model.named_parameters() if "lora_" in n)
+        assert source.read_bytes == whole_bytes - adapters  # every weight once, the adapters from the seed
     if kind != "qwen2_vl":
         head, embeddings = copy.get_output_embeddings(), copy.get_input_embeddings()
         assert (head.weight is embeddings.weight) == bool(copy.config.get_text_config().tie_word_embeddings)
 
 
 @pytest.mark.slow
-def test_each_rank_fills_its_shards_from_rank_0_and_gets_the_files_weights(tmp_path):
+def test_each_rank_reads_its_slices_and_gets_the_files_weights(tmp_path):
     from vision_helpers import tiny_vlm
 
-    folders = {kind: str(tmp_path / kind) for kind in ("tied", "untied", "lora", "qwen2_vl")}
+    folders = {kind: str(tmp_path / kind) for kind in KINDS}
     for kind, folder in folders.items():
         if kind == "qwen2_vl":
             tiny_vlm("qwen2_vl", folder, seed=3)
         else:
-            tiny_model_and_tokenizer(folder, seed=3, tie_word_embeddings=kind != "untied")
+            model, _ = tiny_model_and_tokenizer(folder, seed=3, tie_word_embeddings=kind != "untied")
+            if kind == "bin":  # the weights as a pickled state dict, as older checkpoints have them
+                torch.save(model.state_dict(), tmp_path / kind / "pytorch_model.bin")
+                (tmp_path / kind / "model.safetensors").unlink()
     on_two_ranks(load_on_rank, folders)
 
 
-def rss_peak_gb() -> float:
-    status = open("/proc/self/status").read()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 2**20
-
-
-def measure_on_rank(rank: int, folder: str, whole_gb: float) -> None:
-    from grouprl.cpu.allocator import mapped_large_blocks
-
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = rss_peak_gb()
-    # large blocks mmapped and unmapped when freed: the resident set follows the live tensors, not
-    # the holes malloc's heap keeps (which vary from run to run)
-    with mapped_large_blocks(1 << 20):
-        model = load_causal_lm(ModelConfig(path=folder), folder, CPU, torch.float32, weights=rank == 0)
-        shard(model, source=dict(model.state_dict()) if rank == 0 else {}, device=CPU)
-    grew = rss_peak_gb() - before
-    print(f"rank {rank}: resident set grew by {grew:.3f} GiB, the model is {whole_gb:.3f} GiB")
-    largest_gb = 4096 * 1536 * 4 / 2**30  # an MLP weight: whole while filled, then its half
-    if rank == 1:  # its half and a tensor or two at a time, not the model (loading it whole and
-        # then sharding takes 1.5 times the model): 0.25 of 0.42 GiB here
-        assert grew < whole_gb / 2 + 3 * largest_gb, (grew, whole_gb)
-    else:  # rank 0: its whole host copy and its half
-        assert grew > 0.9 * whole_gb, (grew, whole_gb)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resident-set peak reset")
-def test_rank_1_never_holds_the_whole_model(tmp_path):
-    folder = tmp_path / "model"
-    model, _ = tiny_model_and_tokenizer(
-        folder, hidden_size=1536, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=12,
-        num_key_value_heads=12, max_position_embeddings=256,
-    )  # fmt: skip
-    whole_gb = sum(p.numel() for p in model.parameters()) * 4 / 2**30
-    del model
-    on_two_ranks(measure_on_rank, str(folder), whole_gb)
+def test_lora_adapters_come_from_the_seed_alone(tmp_path):
+    """One process's adapters are the seed's, whatever the global generator did before: what
+    lets each rank make them without a broadcast."""
+    tiny_model_and_tokenizer(tmp_path, seed=3)
+    cfg = settings(tmp_path, "lora")
+    models = []
+    for draws in (0, 5):
+        torch.manual_seed(7)
+        torch.rand(draws)  # the global generator moved on
+        models.append(load_causal_lm(cfg, str(tmp_path), CPU, torch.float32))
+    adapters = [{n: p for n, p in m.named_parameters() if "lora_" in n} for m in models]
+    assert adapters[0] and all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+    a = [p for n, p in adapters[0].items() if "lora_A" in n]
+    b = [p for n, p in adapters[0].items() if "lora_B" in n]
+    assert all(p.abs().max() > 0 for p in a) and all(not p.any() for p in b)  # A drawn, B zeros (peft's default)
+    fan_in = a[0].shape[1]
+    assert float(a[0].abs().max()) <= fan_in**-0.5  # kaiming-uniform with a = sqrt(5): U(-1/sqrt(fan_in), ...)
+    first_a = next(n for n in adapters[0] if "lora_A" in n)
+    seed_adapters(models[1], 8)  # another seed, other adapters
+    assert not torch.equal(dict(models[1].named_parameters())[first_a], adapters[0][first_a])

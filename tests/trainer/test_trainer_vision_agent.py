@@ -60,8 +60,10 @@ def agent_trainer(tmp_path, family, slides, monkeypatch, *overrides):
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "idefics3"])
 def test_a_vlm_search_agent_trains_on_page_images_and_crops(tmp_path, family, slides, monkeypatch):
-    trainer = agent_trainer(tmp_path, family, slides, monkeypatch, "trainer.total_steps=2")
+    trainer = agent_trainer(tmp_path, family, slides, monkeypatch, "trainer.total_steps=2", "data.image_max_pixels=6272")
     assert trainer.agent is not None and trainer.vision is not None
+    # the pixel cap of the data's images reaches the tools: the pages a search shows, the crops
+    assert trainer.agent.tools["search"].max_pixels == trainer.agent.tools["bbox"].max_pixels == 112 * 56
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     metrics, trajectories, _ = trainer.train_step()
     image_token = trainer.family.image_token_id

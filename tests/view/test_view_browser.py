@@ -35,8 +35,9 @@ KEY = "view-test-key-never-shown"
 BOX = [4, 2, 20, 12]  # inside the page as shown (32 x 16 to the tiny VLM, 64 x 32 to the embedded one)
 EMBEDDED_VLM = "builtin:smolvlm-smollm2-135m"  # assembled once into ~/.cache/grouprl/models
 # a turn's and an observation's tokens: the tiny tokenizer spells the <bbox> out in more tokens
-# and shows a page in more image tokens; the embedded VLM's real sizes are kept short (time)
-SIZES = {"tiny": (32, 120), "embedded": (24, 64)}
+# and shows a page in more image tokens; an observation counts its images, turn markers and last-turn note
+# (91 tokens of the tiny tokenizer); the embedded VLM's real sizes are kept short (time)
+SIZES = {"tiny": (32, 160), "embedded": (24, 64)}
 MARKUP = 'reward/<a href="https://example.com/">link</a>'  # a metric key as a policy's reward name could make it
 
 

@@ -150,6 +150,8 @@ class ActorConfig:
     """Response positions per chunk when computing log-probs (bounds the [tokens, vocab] tensor)."""
     fsdp_reduce_dtype: Literal["compute", "float32"] = "float32"
     """Several ranks (FSDP2): dtype of the gradient reduction; float32 keeps it exact under bf16 compute."""
+    fsdp_reduce_every: int = 1
+    """Several ranks (FSDP2): micro-batches between reduce-scatters of the gradients into the shards; 1 holds only sharded gradients (ZeRO-3), k > 1 keeps whole gradients between reductions and communicates k times less (for when the network is the bottleneck), 0 = once per mini-batch."""
     fsdp_offload: bool = False
     """Several ranks on GPUs (FSDP2): keep sharded parameters, gradients and optimizer state in host memory (ranks on a CPU hold them there already: no effect)."""
     reference_offload: bool | Literal["auto"] = "auto"
@@ -187,6 +189,7 @@ class ActorConfig:
             "config key 'actor.micro_batch_tokens' must be >= 0 (0 = off) or auto",
         )
         need(self.logits_chunk_size >= 1, "config key 'actor.logits_chunk_size' must be >= 1")
+        need(self.fsdp_reduce_every >= 0, "config key 'actor.fsdp_reduce_every' must be >= 0 (0 = once per mini-batch)")
         need(self.fsdp_size == -1 or self.fsdp_size >= 1, "config key 'actor.fsdp_size' must be -1 (all ranks) or >= 1")
         # 0 means "the whole batch": a negative value divides any batch and then skips every update
         need(self.mini_batch_size >= 0, f"config key 'actor.mini_batch_size' must be >= 0, got {self.mini_batch_size!r}")

@@ -39,7 +39,7 @@ class DataConfig:
     image_min_pixels: int = 0
     """VLM policies: images smaller than this many pixels are scaled up (aspect kept) before the processor; 0 = no bound."""
     image_max_pixels: int = 0
-    """VLM policies: images larger than this many pixels are scaled down (aspect kept) before the processor; 0 = the processor's own limit."""
+    """VLM policies: images larger than this many pixels are scaled down (aspect kept) before the processor, the prompts', the pages a search shows and the crops alike; 0 = the processor's own limit."""
 
 
     def __post_init__(self) -> None:

@@ -63,7 +63,7 @@ class RolloutConfig:
     enforce_eager: bool = False
     """vllm: run eagerly instead of with captured graphs (slower decoding, faster start-up)."""
     max_model_len: int = 0
-    """vllm: longest context (prompt + response, observations included) the engine plans for; 0 = the model's own limit."""
+    """vllm: longest context (prompt + response, observations included) the engine plans for; 0 = the run's own, from the length limits (the memory plan's context, at most the model's positions)."""
 
     def __post_init__(self) -> None:
         need(self.n_agent >= 1, "config key 'rollout.n_agent' must be >= 1")
@@ -156,7 +156,7 @@ class AgentConfig:
     answer_timeout_s: float = 60.0
     """Per-request timeout of the OpenAI-compatible answer generator, in seconds."""
     max_observation_tokens: int = 512
-    """Observations longer than this many policy tokens are cut (0 = no limit)."""
+    """Most tokens an observation takes as the policy is fed it: text, image tokens and the chat turn markers (images shrunk or left out, then text cut); 0 = no limit."""
     max_response_tokens: int = 0
     """Most response tokens per trajectory, observations included (0 = no limit); reaching it ends the trajectory."""
     on_unfinished: Literal["answer", "no_answer"] = "answer"

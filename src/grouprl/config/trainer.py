@@ -65,7 +65,7 @@ class TrainerConfig:
     n_gpus_per_node: int = 0
     """GPUs per node the memory plan is for (0 = the ranks this run has, on its devices)."""
     gpu_memory_gb: float = 0.0
-    """The memory of one device, GiB, for the memory plan (0 = read it from the device present; a CPU's is the host's)."""
+    """The memory of one device for the memory plan, in GiB as the card reports it (nvidia-smi's total MiB / 1024: 79.2 for an "80 GB" H100 or A100); 0 = read it from the device present (a CPU's is the host's), or, for GPUs this machine lacks, plan without checking the fit."""
     memory_check: Literal["refuse", "warn", "off"] = "refuse"
     """The memory plan at a run's start: refuse stops a run whose plan does not fit before anything loads (one line: the phase, its figure, settings that would fit); warn logs that line and runs; off plans nothing."""
 

@@ -14,6 +14,9 @@ Two remedies, both doing nothing where the C library is not glibc:
   decoder layer (`actor.update_trim_every_layers`). Backward frees a layer's activations and
   allocates its gradients' temporaries in other sizes, so without it the holes backward leaves
   stay resident until the next micro-batch; in a default run the peak fell by 0.3 GiB.
+- `trim_during_forward(model, every)`: the same after every `every`-th decoder layer's forward,
+  for layers whose weights FSDP gathers into buffers of their own and frees after them (several
+  ranks): in a 2-rank run of a 30-layer model the forward's heap held 1.5 GiB of such holes.
 - `mapped_large_blocks(threshold)` around the update (`actor.update_mmap_threshold_kb`, off by
   default): a block of `threshold` bytes or more that the heap's free chunks cannot serve is
   mmapped instead of growing the heap, and unmapped when freed. The lowest peak, but each such
@@ -75,11 +78,12 @@ def mapped_large_blocks(threshold: int):
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks: modules of the classes its `_no_split_modules` names
-    (transformers' decoder layers), found through wrappers such as peft's."""
+    (transformers' decoder layers), found through wrappers such as peft's and FSDP's."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
+    # FSDP2 gives a sharded layer a class of its own that derives from the layer's
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
 @contextlib.contextmanager
@@ -95,6 +99,25 @@ def trim_during_backward(model: torch.nn.Module, every: int):
         hidden = output[0] if isinstance(output, tuple) else output
         if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
             hidden.register_hook(on_output)
+
+    handles = [layer.register_forward_hook(after_forward) for layer in layers]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def trim_during_forward(model: torch.nn.Module, every: int):
+    """Within the block, a forward calls `release_free_memory()` after every `every`-th decoder
+    layer (0, or no glibc: nothing): where FSDP gathers each layer's weights into a buffer of its
+    own and frees it after the layer, the heap keeps those buffers' holes through the forward.
+    Yields the number of layers hooked."""
+    layers = decoder_layers(model)[every - 1 :: every] if every > 0 and _glibc() is not None else []
+
+    def after_forward(_module, _args, _output) -> None:  # returns nothing: the output stays
+        release_free_memory()
 
     handles = [layer.register_forward_hook(after_forward) for layer in layers]
     try:

@@ -60,9 +60,9 @@ from grouprl.rollout.answer import (
 )
 from grouprl.rollout.chat import ChatRenderer
 from grouprl.rollout.engines.base import Generation, RolloutEngine, SamplingParams
+from grouprl.rollout.observation_fit import check_limit, clipped_observation, fit_images, fixed_tokens
 from grouprl.rollout.tools.base import AgentState, Observation, Tool
 from grouprl.rollout.trajectory import Trajectory
-from grouprl.vision.images import IMAGE_PLACEHOLDER
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ class AgentLoop:
             answer_generator = build_answer_generator(cfg, engine)
         self.answer_generator = None if self.self_answer else answer_generator
         self.chat = ChatRenderer(tokenizer, cfg.observation_role)
+        check_limit(tokenizer, cfg)
         self.system_prompt = protocol_prompt("none" if self.self_answer else "frozen", cfg.system_prompt)
         self.stats: dict[str, float] = {}  # the last run's counts, as metrics
         # called before each turn's generation: the policy version of the weights the turn
@@ -275,28 +276,26 @@ class AgentLoop:
         self, obs: Observation, g: Generation, next_is_last: bool, state: AgentState | None = None, action=None
     ) -> tuple[list[int], str, list]:
         """Token ids (template rendering), text and images (processed, for a VLM policy) of the
-        observation that follows a segment. A VLM sees the observation's images before its text;
-        the page a search shows is what <bbox> coordinates refer to, at the size the processor
-        gave it."""
-        text = self._clip(obs.text)
-        if next_is_last:
-            text += "\n\n" + LAST_TURN["answer" if self.self_answer else "complete"]
+        observation that follows a segment, within agent.max_observation_tokens, its images'
+        tokens and the template's included (observation_fit.py). A VLM sees the observation's
+        images before its text; the page a search shows is what <bbox> coordinates refer to, at
+        the size the processor gave it."""
+        last = "\n\n" + LAST_TURN["answer" if self.self_answer else "complete"] if next_is_last else ""
         closing = g.token_ids[-1] if g.finish_reason == "eos" and g.token_ids else None
-        shown = [self.vision.prepare_image(image) for image in obs.images] if self.vision is not None else []
-        if not shown:
-            return self.chat.observation_ids(text, closing_token=closing), text, []
-        if state is not None and action is not None and action.kind == "search":
-            state.current_image_size = shown[0].shown_size
-        placed = IMAGE_PLACEHOLDER * len(shown) + text
-        ids = self.chat.observation_ids(placed, closing, images=shown, expand=self.vision.encode_text)
-        return ids, placed, shown
-
-    def _clip(self, text: str) -> str:
         limit = self.cfg.max_observation_tokens
-        if not limit:
-            return text
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit]) + " [...]"
+        shown = [self.vision.prepare_image(image) for image in obs.images] if self.vision is not None else []
+        if limit and shown:
+            text_share = min(len(self.tokenizer(obs.text, add_special_tokens=False)["input_ids"]), limit // 4)
+            budget = limit - fixed_tokens(self.chat, last, closing) - text_share
+            fitted = fit_images(self.vision, obs.images, shown, budget)
+            if state is not None and len(fitted) < len(shown):
+                state.count_error("observation_images_left_out")
+            shown = fitted
+        if shown and state is not None and action is not None and action.kind == "search":
+            state.current_image_size = shown[0].shown_size
+        expand = self.vision.encode_text if self.vision is not None else None
+        placed, ids = clipped_observation(self.chat, self.tokenizer, obs.text, last, closing, shown, expand, limit)
+        return ids, placed, shown
 
     def _unfinished(self, r: _Rollout, reason: str) -> None:
         """Out of turns or tokens: flagged truncated; the frozen generator may still answer."""

@@ -21,6 +21,7 @@ import torch
 from grouprl.config import Config, ModelConfig
 from grouprl.errors import ModelLoadError, missing_local_path
 from grouprl.trainer.export import save_into_cache
+from grouprl.trainer.slices import seed_adapters
 
 log = logging.getLogger(__name__)
 
@@ -313,14 +314,16 @@ def load_causal_lm(
     cfg: ModelConfig, model_path: str, device: torch.device, dtype: torch.dtype, *, weights: bool = True
 ):
     """A causal LM, or an image-text-to-text model when the config has a vision tower, ready to
-    train (parts frozen as configured, LoRA wrapped when configured). `weights=False`: the same
-    model with its parameters on the meta device (nothing read, nothing allocated) for a rank
-    whose shards come from rank 0 (parallel.shard's `source`); `device` is then unused."""
+    train (parts frozen as configured, LoRA wrapped when configured, its adapters drawn from the
+    seed alone: slices.seed_adapters). `weights=False`: the same model with its parameters on
+    the meta device (nothing read, nothing allocated) for a rank that reads its shards' slices
+    itself (parallel.shard's `source`); `device` is then unused."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from grouprl.vision.families import family_class, is_vision_config
 
     config = model_config(cfg, model_path)
+    published = config_dtype(config)  # before loading rewrites it: the dtype an export writes
     family = family_class(config) if is_vision_config(config) else None
     auto = AutoModelForImageTextToText if family is not None else AutoModelForCausalLM
 
@@ -354,6 +357,7 @@ def load_causal_lm(
             model.generation_config = _generation_config(model_path, model.generation_config)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(_explain_load_failure("model.path", model_path, e)) from None
+    model.published_dtype = published
     if family is not None:
         freeze_parts(model, family, cfg)
     if cfg.quantization == "none" and weights:
@@ -370,9 +374,23 @@ def load_causal_lm(
                 model, use_gradient_checkpointing=checkpointing
             )
         model = get_peft_model(model, lora_config(cfg, family))
+        if weights:  # from the run's seed alone, as every rank of a sharded load makes them (slices.py)
+            seed_adapters(model, torch.initial_seed())
         if family is not None:  # peft freezes every base weight; the configured parts train fully
             freeze_parts(model.get_base_model(), family, cfg, base_frozen=True)
     return model
+
+
+def config_dtype(config) -> torch.dtype | None:
+    """The floating-point dtype a checkpoint's config says its weights are in (a VLM's may say it
+    of its text model only); None when it says none."""
+    for part in (config, getattr(config, "text_config", None)):
+        dtype = getattr(part, "dtype", None) or getattr(part, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            return dtype
+    return None
 
 
 def _generation_config(model_path: str, default):
@@ -442,24 +460,32 @@ class LoadedPolicy:
         return self.vision.family if self.vision is not None else None
 
 
+def load_vision(cfg: Config, path: str, config, tokenizer):
+    """A VLM's processor (no weight read: the image processor and the tokenizer), with
+    data.image_min_pixels / image_max_pixels; None for a text model."""
+    from grouprl.vision.families import is_vision_config
+    from grouprl.vision.processor import VisionProcessor
+
+    if not is_vision_config(config):
+        return None
+    return VisionProcessor.load(
+        path, config, tokenizer, min_pixels=cfg.data.image_min_pixels,
+        max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
+    )  # fmt: skip
+
+
 def load_policy(
-    cfg: Config, device: torch.device, dtype: torch.dtype, *, path: str | None = None, tokenizer=None, weights: bool = True
+    cfg: Config, device: torch.device, dtype: torch.dtype, *, path: str | None = None, tokenizer=None,
+    weights: bool = True, vision=None,
 ) -> LoadedPolicy:
     """The one way the policy loads: model.path resolved (a built-in model assembled once), the
     tokenizer, the model ready to train (load_causal_lm: a VLM's parts frozen as configured,
     LoRA, quantisation; `weights=False`: its parameters on the meta device, for a rank whose
-    shards come from rank 0) and, for a VLM, the processor that turns images into inputs (with
-    data.image_min_pixels / image_max_pixels). `path` / `tokenizer`: already resolved ones."""
-    from grouprl.vision.families import is_vision_config
-    from grouprl.vision.processor import VisionProcessor
-
+    shards are read later) and, for a VLM, the processor that turns images into inputs
+    (`load_vision`). `path` / `tokenizer` / `vision`: already resolved or loaded ones."""
     path = path if path is not None else resolve_model_path(cfg.model)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, path)
     model = load_causal_lm(cfg.model, path, device, dtype, weights=weights)
-    vision = None
-    if is_vision_config(model.config):
-        vision = VisionProcessor.load(
-            path, model.config, tokenizer, min_pixels=cfg.data.image_min_pixels,
-            max_pixels=cfg.data.image_max_pixels, trust_remote_code=cfg.model.trust_remote_code,
-        )  # fmt: skip
+    if vision is None:
+        vision = load_vision(cfg, path, model.config, tokenizer)
     return LoadedPolicy(path, tokenizer, model, vision)

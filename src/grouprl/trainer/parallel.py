@@ -9,12 +9,15 @@ the summed gradient equals the gradient of one process on the whole batch.
 
 Everything the update runs goes through `ShardedRoot.__call__(fn, ...)`, a root module whose forward
 calls `fn(model, ...)`, so FSDP's hooks see it while the log-prob code keeps reading the head's
-weight itself. Within a mini-batch the parameters are gathered once (`accumulating`): ranks
-run different numbers of forward passes (shared prefixes, token budgets) without collectives,
-gradients accumulate locally, and `sync_gradients` reduce-scatters them in one pass that every
-rank makes. Parameters, gradients and optimizer state stay sharded between mini-batches (the
-memory of ZeRO-2 during a mini-batch, of FSDP outside it). Generation and scoring run on
-gathered weights (`gathered`), as an inference engine would be given them.
+weight itself. Parameters stay sharded between passes: each layer is gathered for its forward
+and again for its backward (FSDP2's default), and each pass's backward reduce-scatters its
+gradients into the sharded accumulators (`set_gradient_sync`: every k passes, a setting). A
+rank's peak in the update is its shards of the weights, gradients and optimizer state, the
+root's own weights and a layer or two whole, and the activations (ZeRO-3). The price: every
+rank must run the same passes in the same order, whatever its rows, or the collectives get out
+of step; `trainer/lockstep.py` pads the ranks to the same pass count with passes of zero
+weight. Generation and exports run on gathered weights (`gathered`), as an inference engine
+would be given them.
 
 The loop's own collectives (counts, metrics, gathered groups) move CPU tensors and Python
 objects, which an NCCL-only group refuses: on CUDA the group is joined as "cpu:gloo,cuda:nccl"
@@ -235,14 +238,14 @@ def shard(
     reduce_dtype: torch.dtype | None = None,
     offload: bool = False,
     mesh=None,
-    source: dict[str, torch.Tensor] | None = None,
+    source=None,
     device: torch.device | None = None,
 ) -> ShardedRoot:
     """FSDP2 over `model`: each decoder layer, then the root (everything else); over `mesh`
-    (`device_mesh`) when given, else over every rank. `source` (sharded loading): rank 0's whole
-    state dict, in host memory ({} on the other ranks, whose `model` has its parameters on the
-    meta device): each rank's shards are made on `device` and filled from rank 0, a tensor at a
-    time, so no rank's device ever holds the whole model."""
+    (`device_mesh`) when given, else over every rank. `source` (sharded loading, `model`'s
+    parameters on the meta device): the checkpoint each rank reads its shards' slices from
+    (slices.Checkpoint), or rank 0's whole state dict ({} on the others, `fill_from_rank0`);
+    each rank's shards are made where they live, so no rank ever holds the whole model."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options: dict = {"mesh": mesh} if mesh is not None else {}
@@ -250,43 +253,53 @@ def shard(
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    # the update's passes run on whole weights (`accumulating`), where the pre-backward gather
-    # FSDP warns a view output could skip has nothing to gather
+    # FSDP warns that an in-place change of a view output would skip its pre-backward gather;
+    # the outputs that are views (the root's image features, reshaped) are never changed in place
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     policy = ShardedRoot(model)
     for layer in decoder_layers(model):
         fully_shard(layer, **options)
     fully_shard(policy, **options)
     if source is not None:
-        fill_from_rank0(model, source, device)
+        load_into(model, source, device)
     with torch.no_grad():  # FSDP initialises from the root's first forward, before any layer's
         policy(lambda model: None)
     policy.reshard()  # the root keeps its weights whole after a forward: the optimizer takes shards
     return policy
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Storage for a model whose parameters are on the meta device (FSDP's shards, or whole
+    tensors), on `device` (FSDP moves a shard it offloads to pinned host memory itself), tied
+    weights tied again; buffers built with the model (rotary tables) kept as they were."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # tied weights (embeddings and head)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)  # storage for the parameters (and buffers, put back below)
+    for places in shared.values():  # to_empty gives each holder a tensor of its own: tie them again
+        first = getattr(*places[0])
+        for module, name in places[1:]:
+            module._parameters[name] = first
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
 def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], device: torch.device) -> None:
     """Give `model` (sharded or whole; on ranks other than 0 its parameters on the meta device)
-    the weights of rank 0's state dict `source`, broadcast a tensor at a time; each rank keeps
-    its shard (DTensor parameters) or the whole tensor (plain ones). Buffers built on each rank
-    (rotary tables) are kept as they were."""
+    the weights of rank 0's state dict `source`, broadcast a tensor at a time over `device` (the
+    ranks' compute device, where the group communicates, wherever a shard lives); each rank
+    keeps its shard (DTensor parameters) or the whole tensor (plain ones). Buffers built on each
+    rank (rotary tables) are kept as they were. The way for checkpoints that cannot be read in
+    slices (slices.py): a whole host copy on rank 0, every tensor crossing the network."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if any(p.is_meta for p in model.parameters()):
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        shared: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # tied weights (embeddings and head)
-        for module in model.modules():
-            for name, param in module._parameters.items():
-                if param is not None:
-                    shared.setdefault(id(param), []).append((module, name))
-        model.to_empty(device=device)  # storage for the parameters (and buffers, put back below)
-        for places in shared.values():  # to_empty gives each holder a tensor of its own: tie them again
-            first = getattr(*places[0])
-            for module, name in places[1:]:
-                module._parameters[name] = first
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+    materialize(model, device)
     # a tensor at a time: rank 0's whole tensor broadcast to every rank's device, each rank
     # copying its own part into its parameter (set_model_state_dict would hold every new shard
     # until its end, a second copy of the model's shards)
@@ -296,7 +309,7 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
             if not isinstance(held, torch.Tensor):
                 continue
             local = held.to_local() if isinstance(held, DTensor) else held
-            whole = torch.empty(held.shape, dtype=held.dtype, device=local.device)
+            whole = torch.empty(held.shape, dtype=held.dtype, device=device)
             if main:
                 whole.copy_(source[name])
             dist.broadcast(whole, src=0)
@@ -304,6 +317,15 @@ def fill_from_rank0(model: torch.nn.Module, source: dict[str, torch.Tensor], dev
                 whole = distribute_tensor(whole, held.device_mesh, held.placements, src_data_rank=None).to_local()
             local.copy_(whole)
             del whole
+
+
+def load_into(model: torch.nn.Module, source, device: torch.device) -> None:
+    """`model`'s weights from `source`: a checkpoint read in slices (slices.Checkpoint), or rank
+    0's whole state dict ({} on the other ranks: `fill_from_rank0`)."""
+    if isinstance(source, dict):
+        fill_from_rank0(model, source, device)
+    else:
+        source.fill(model, device)
 
 
 def run(model, fn, *args, **kwargs):
@@ -348,62 +370,19 @@ def gathered(model) -> Iterator[None]:
             m.reshard()
 
 
-@contextlib.contextmanager
-def accumulating(model) -> Iterator[None]:
-    """Within the block a sharded policy's parameters are whole, passes keep them so, and
-    gradients accumulate on each rank without communication until `sync_gradients`."""
-    if not isinstance(model, ShardedRoot):
-        yield
-        return
-    modules = _fsdp_modules(model)
-    layers = [m for m in modules if m is not model]
-    for m in modules:
-        m.unshard()
-        m.set_reshard_after_backward(False, recurse=False)
-        m.set_requires_gradient_sync(False, recurse=False)
-    for m in layers:
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.set_reshard_after_forward(True, recurse=False)
-        for m in modules:
-            m.set_requires_gradient_sync(True, recurse=False)
-            m.set_reshard_after_backward(True, recurse=False)
-            m.reshard()
+def set_gradient_sync(model, sync: bool) -> None:
+    """Whether the backward passes that follow reduce-scatter a sharded policy's gradients into
+    its shards (True: FSDP's default) or keep accumulating them whole, unreduced, until a pass
+    that does (actor.fsdp_reduce_every > 1: less communication, whole gradients held)."""
+    if isinstance(model, ShardedRoot):
+        model.set_requires_gradient_sync(sync, recurse=True)
 
 
-def sync_pass(model, pad_token_id: int, vision=None) -> torch.Tensor:
-    """The sum, times zero, of the logits of one pad token and (with `vision`, a VLM family) of
-    the image features of its `blank` image: a loss whose backward gives every trainable weight
-    a gradient of exact zeros (added to what it holds, it changes nothing)."""
-
-    def outputs(m):
-        logits = m(input_ids=torch.tensor([[pad_token_id]], device=next(m.parameters()).device)).logits
-        return logits, vision.features(m, [vision.blank()]) if vision is not None else None
-
-    logits, features = run(model, outputs)
-    total = logits.float().sum()
-    if features is not None:
-        total = total + features.float().sum()
-    return total * 0.0
-
-
-def sync_gradients(model, pad_token_id: int, vision=None) -> None:
-    """Inside `accumulating`: one pass of zero weight on every rank (`sync_pass`), whose backward
-    reduce-scatters every module's accumulated gradients (summed over ranks, / world). FSDP
-    reduces the weights that hold a gradient, so the ranks must hold one for the same weights:
-    `vision` (given on every rank when any rank's rows of the mini-batch had images) runs the
-    tower and connector too, and a rank that saw no image sends zeros. With no image on any rank
-    no rank's tower holds a gradient, and it is not stepped, as in one process."""
-    if not isinstance(model, ShardedRoot):
-        return
-    for m in _fsdp_modules(model):
-        m.set_requires_gradient_sync(True, recurse=False)
-    loss = sync_pass(model, pad_token_id, vision)
-    if loss.requires_grad:  # nothing trainable ran (a frozen language model, no image): nothing to reduce
-        loss.backward()
+def reshard_root(model) -> None:
+    """Give back a sharded policy's root weights (embeddings, head, norms: FSDP keeps the
+    root's whole after a forward for the backward that follows) after passes without one."""
+    if isinstance(model, ShardedRoot):
+        model.reshard()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,11 @@ from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import protocol_prompt, with_protocol
 from grouprl.rollout.engines import RolloutEngine, build_engine
 from grouprl.rollout.engines.process import EngineProcess
+from grouprl.rollout.observation_fit import check_limit
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
-from grouprl.trainer.memory import PeakMeter, Plan, plan_run
+from grouprl.trainer.memory import PeakMeter, Plan, longest, plan_run
 from grouprl.trainer.models import (
     LoadedPolicy,
     autocast,
@@ -43,6 +44,7 @@ from grouprl.trainer.models import (
     load_causal_lm,
     load_policy,
     load_tokenizer,
+    load_vision,
     model_config,
     resolve_compute_dtype,
     resolve_device,
@@ -53,8 +55,9 @@ from grouprl.trainer.models import (
 )
 from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, wanted
 from grouprl.trainer.optim import build_optimizer, build_scheduler
-from grouprl.trainer.parallel import Ranks, device_mesh, fill_from_rank0, shard
+from grouprl.trainer.parallel import Ranks, device_mesh, load_into, shard
 from grouprl.trainer.pipeline import trainable_names
+from grouprl.trainer.slices import Checkpoint
 from grouprl.trainer.update import PolicyUpdater
 from grouprl.vision.families import is_vision_config
 from grouprl.vision.processor import VisionProcessor
@@ -176,7 +179,7 @@ class PromptEncoder:
                 ids, images = self.vision.encode(messages, s.images)
                 # kept without pixels (processed again when drawn): a large dataset's page images
                 # are not held in memory
-                self._image_stubs[id(s)] = [replace(im, tensors={}, text="") for im in images]
+                self._image_stubs[id(s)] = [replace(im, tensors={}, text="", source=None) for im in images]
             else:
                 ids = encode_prompt(self.tokenizer, messages)
             if not ids:  # nothing to condition on: a tokenizer that does not know the text, an empty question
@@ -290,7 +293,7 @@ def make_sampler(cfg: Config, train_samples: list[Sample]) -> Sampler:
 def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool, skeleton=None):
     """A frozen reference only when a KL coefficient needs it. With LoRA the reference is the base
     model with adapters disabled, not a second copy. `skeleton`: builds the model without its
-    weights (several ranks: the reference is sharded and filled from rank 0's weights)."""
+    weights (several ranks: the reference is sharded and loads as the policy does)."""
     if cfg.algorithm.kl_coef <= 0 and cfg.actor.kl_loss_coef <= 0:
         return None
     if is_lora:  # (the config refuses algorithm.ref_refresh_steps with LoRA)
@@ -394,17 +397,24 @@ class Models:
     generation_copy: torch.nn.Module | None  # rollout.max_staleness: the copy generation samples from
 
 
-def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer) -> Models:
-    """The policy, its reference and generation copy, sharded over several ranks: rank 0 reads
-    the weights into host memory, the others build the model with its parameters on the meta
-    device; FSDP makes each rank's shards on its own device and fills them from rank 0's, a
-    tensor at a time (Sharder's `source`): no device holds the whole model."""
+def load_models(
+    cfg: Config, ranks: Ranks, device: torch.device, precision: Precision, path: str, tokenizer, vision=None
+) -> Models:
+    """The policy, its reference and generation copy. Over several ranks every rank builds them
+    with their parameters on the meta device and reads only its shards' slices of the checkpoint
+    (slices.py), straight to where they live: no whole host copy, nothing broadcast (a checkpoint
+    that cannot be read in slices: rank 0 reads it whole and broadcasts it, `fill_from_rank0`).
+    `vision`: a VLM's processor, already loaded."""
     dtype = precision.dtype
-    reads = not ranks.distributed or ranks.main
-    where = torch.device("cpu") if ranks.distributed else device
-    loaded = load_policy(cfg, where, dtype, path=path, tokenizer=tokenizer, weights=reads)
+    loaded = load_policy(cfg, device, dtype, path=path, tokenizer=tokenizer, weights=not ranks.distributed, vision=vision)
     model = loaded.model
-    source = (dict(model.state_dict()) if reads else {}) if ranks.distributed else None
+    source = None
+    if ranks.distributed:
+        source = Checkpoint.of(model, path, torch.initial_seed())
+        if source is None:  # rank 0 reads the whole model into host memory and broadcasts it
+            if ranks.main:
+                model = loaded.model = load_causal_lm(cfg.model, path, torch.device("cpu"), dtype)
+            source = dict(model.state_dict()) if ranks.main else {}
     attention = getattr(model.config, "_attn_implementation", None) or ""
     if "flash" in attention and cfg.actor.shared_prefix:
         log.info(
@@ -413,9 +423,12 @@ def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Prec
             "masks only; actor.shared_prefix=false runs whole sequences through %s)", attention, attention
         )
     # what a copy starts from: the model itself in one process; on several ranks a skeleton that
-    # is sharded (or filled whole) from rank 0's weights, never a copy of rank 0's whole model
-    skeleton = functools.partial(load_causal_lm, cfg.model, path, device, dtype, weights=False)
-    ref_model = make_reference(cfg, model, cfg.model.lora.rank > 0, skeleton if ranks.distributed else None)
+    # loads as the policy does (its own slices), never a copy of a whole model
+    skeleton = functools.partial(load_causal_lm, cfg.model, path, device, weights=False)
+    # the frozen reference of a run that computes in bf16, sharded: kept in bf16 (FSDP would
+    # gather it in bf16 all the same), half the memory of float32 shards
+    ref_dtype = precision.compute or dtype
+    ref_model = make_reference(cfg, model, cfg.model.lora.rank > 0, functools.partial(skeleton, ref_dtype) if ranks.distributed else None)
     if isinstance(ref_model, torch.nn.Module) and not ranks.distributed:  # FSDP gathers it in the compute dtype
         cast_frozen_linears(ref_model, precision.compute)  # scored under the update's autocast only
     # rollout.max_staleness > 0: generation ahead of the update samples from a whole copy of the
@@ -424,8 +437,8 @@ def load_models(cfg: Config, ranks: Ranks, device: torch.device, precision: Prec
     generation_copy = None
     if cfg.rollout.max_staleness:
         if ranks.distributed:
-            generation_copy = skeleton().requires_grad_(False)
-            fill_from_rank0(generation_copy, source, device)
+            generation_copy = skeleton(dtype).requires_grad_(False)
+            load_into(generation_copy, source, device)
         else:
             generation_copy = copy.deepcopy(model).requires_grad_(False)
         cast_frozen_linears(generation_copy, precision.rollout)
@@ -458,7 +471,7 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
                 cfg.rollout, generation_copy, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
                 vision=family, report_log_probs=True, device=device,
             )  # fmt: skip
-        agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+        agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent, cfg.data.image_max_pixels), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's
         ahead = Ahead(generation_copy, ahead_engine, agent, SingleTurn(ahead_engine), ranks.fork())
@@ -469,7 +482,7 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
             vision=family, report_log_probs=report, device=device,
             sharded=models.policy if models.policy is not model else None,  # each rank's engine, fed layer by layer
         )  # fmt: skip
-    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
+    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent, cfg.data.image_max_pixels), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
     return engine, agent, ahead
 
 
@@ -511,15 +524,20 @@ def build(cfg: Config) -> Parts:
     tokenizer = load_tokenizer(cfg.model, model_path)
     config = model_config(cfg.model, model_path)
     check_images(cfg, train_samples + val_samples, config)
-    # the memory plan from config.json and the settings: a run that would not fit stops here,
-    # before anything loads (settings that depend on the devices are settled first)
-    cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main)
-    engine_differs, rollout_is = correction(cfg, precision)
-    models = load_models(cfg, ranks, device, precision, model_path, tokenizer)
-    model, vision = models.loaded.model, models.loaded.vision
+    if cfg.agent.enabled:  # the observation limit holds an observation's turn markers (in tokens)
+        check_limit(tokenizer, cfg.agent)
+    # the prompts as token ids (a VLM's images processed, no weight read yet): the memory plan
+    # takes the longest of them
+    vision = load_vision(cfg, model_path, config, tokenizer)
     encoder = PromptEncoder(cfg, tokenizer, vision)
     train_prompts, prompt_stats = encoder.encode(train_samples, "training")
     val_prompts, _ = encoder.encode(val_samples, "held-out")
+    # the memory plan from config.json, the settings and the data's longest prompt: a run that
+    # would not fit stops here, before anything loads (settings that depend on the devices first)
+    cfg, plan = plan_run(cfg, config, run_dir, write=ranks.main, longest_prompt=longest(train_prompts + val_prompts))
+    engine_differs, rollout_is = correction(cfg, precision)
+    models = load_models(cfg, ranks, device, precision, model_path, tokenizer, vision)
+    model = models.loaded.model
     sampler = make_sampler(cfg, train_samples)
     total_steps = cfg.trainer.total_steps or sampler.steps_for_epochs(cfg.trainer.total_epochs)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -29,7 +29,7 @@ from grouprl.trainer.image_report import write_report
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.memory import PeakMeter
 from grouprl.trainer.metric_parts import merge
-from grouprl.trainer.parallel import inner, whole_state_dict
+from grouprl.trainer.parallel import inner
 from grouprl.trainer.pipeline import RolloutPipeline
 from grouprl.trainer.setup import Parts, build
 from grouprl.trainer.step import Collector, Learner, reduce_step_metrics
@@ -281,18 +281,17 @@ class Trainer:
             self._export(self.parts.run_dir / "best", merge_lora=False, meta={"step": self.step, **val})
 
     def _export(self, target: Path, *, merge_lora: bool, meta: dict) -> None:
-        """A Hugging Face folder of the policy, whole (gathered from the ranks), written once."""
-        state = whole_state_dict(self.parts.model) if self.parts.ranks.distributed else None  # every rank gathers
-        if self.parts.ranks.main:
-            export_model(
-                self.parts.model,
-                self.parts.tokenizer,
-                target,
-                merge_lora=merge_lora,
-                meta=meta,
-                processor=self.parts.vision,
-                state_dict=state,
-            )
+        """A Hugging Face folder of the policy, written once, by rank 0 (sharded: gathered a
+        layer at a time, every rank taking part)."""
+        export_model(
+            self.parts.policy,
+            self.parts.tokenizer,
+            target,
+            merge_lora=merge_lora,
+            meta=meta,
+            processor=self.parts.vision,
+            write=self.parts.ranks.main,
+        )
         self.parts.ranks.barrier()
 
     # ------------------------------------------------------------------ the loop

@@ -21,6 +21,7 @@ from grouprl import cpu
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_correction
 from grouprl.config import ActorConfig
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer import lockstep
 from grouprl.trainer.head_stats import head_grad_into_param
 from grouprl.trainer.logprobs import (
     OPENING_MIN_TOKENS,
@@ -33,7 +34,7 @@ from grouprl.trainer.logprobs import (
     shared_opening,
 )
 from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
-from grouprl.trainer.parallel import Ranks, accumulating, full_tensor, gathered, run, sync_gradients
+from grouprl.trainer.parallel import Ranks, full_tensor, reshard_root, run, set_gradient_sync
 
 log = logging.getLogger(__name__)
 
@@ -187,21 +188,25 @@ class PolicyUpdater:
     def log_probs(
         self,
         model,
-        tensors: StepTensors,
-        index: list[int],
+        tensors: StepTensors | ResponseBatch,
+        index: list[int] | None = None,
         *,
         with_entropy=False,
         prefix: Prefix | None = None,
         unit: PrefixUnit | None = None,
         opening: Prefix | None = None,
+        vision=None,
     ):
-        """Rows `index`; with `prefix` (the prompts of `unit`, already run) only the responses run;
-        with `opening` (see `opening_forward`) the prompts' common opening is not run again."""
+        """Rows `index` of `tensors` (or a ResponseBatch as it is); with `prefix` (the prompts of
+        `unit`, already run) only the responses run; with `opening` (see `opening_forward`) the
+        prompts' common opening is not run again. `vision`: the family to run with (a pass's
+        precomputed image features, lockstep.py), default the policy's."""
+        batch = tensors.rows(index) if isinstance(tensors, StepTensors) else tensors
         with self._autocast(model):
             return run(
                 model,
                 response_log_probs,
-                tensors.rows(index),
+                batch,
                 shared_prefix=self.cfg.shared_prefix,
                 temperature=self.temperature,
                 with_entropy=with_entropy,
@@ -210,7 +215,7 @@ class PolicyUpdater:
                 prefix=prefix,
                 prefix_index=[unit.prompt_of_row[r] for r in index] if prefix is not None else None,
                 opening=opening,
-                vision=self.vision,
+                vision=vision if vision is not None else self.vision,
             )
 
     def _autocast(self, model):
@@ -259,9 +264,8 @@ class PolicyUpdater:
         """Log-probs of every row without gradient (old or reference policy), [N, R], in the
         log-prob dtype (float32 for a bf16/fp32 model, float64 for a float64 one)."""
         with block_masks(model, self.cfg.shared_prefix):
-            if self.ranks.distributed:  # on whole weights: ranks run different numbers of passes
-                with gathered(model):
-                    return self._score_all(model, tensors)
+            if self.ranks.distributed:  # sharded: passes in step with the other ranks'
+                return self._score_in_step(model, tensors)
             with cpu.lean_scoring(model, self.cfg):
                 return self._score_all(model, tensors)
 
@@ -277,6 +281,33 @@ class PolicyUpdater:
                     out = lp.new_zeros(tensors.loss_mask.shape)
                 out[index] = lp
         return out
+
+    def _score_in_step(self, model, tensors: StepTensors) -> torch.Tensor:
+        """`_score_all` on several ranks: one pass per micro-batch, as many on every rank
+        (lockstep.py); the root's weights given back after (no backward does it)."""
+        rows = list(range(len(tensors.prompt_ids)))
+        micros = [m for unit in self.plan(tensors, rows) for m in unit.micro_batches]
+        count, with_images = lockstep.pass_count(self.ranks, len(micros), self._with_images(tensors, rows))
+        out = None
+        for i in range(count):
+            batch = tensors.rows(micros[i]) if i < len(micros) else self._pad_batch(tensors)
+            images = self._pass_images(model, batch if i < len(micros) else None, with_images)
+            lp, _ = self.log_probs(model, batch, vision=images.family if images else None)
+            if i < len(micros):
+                if out is None:
+                    out = lp.new_zeros(tensors.loss_mask.shape)
+                out[micros[i]] = lp
+        reshard_root(model)
+        return out
+
+    def _pad_batch(self, tensors: StepTensors) -> ResponseBatch:
+        return lockstep.pad_batch(self.pad_token_id, tensors.response_ids.device)
+
+    def _pass_images(self, model, batch: ResponseBatch | None, with_images) -> lockstep.PassImages | None:
+        """A pass's image features, computed first, when any rank's rows have images."""
+        if not with_images:
+            return None
+        return lockstep.PassImages(model, self.vision, batch, self._autocast(model))
 
     def needs_old_log_probs(self, num_prompts: int, tensors: StepTensors | None = None) -> bool:
         """True when some loss is computed after an optimizer step: a second epoch, or a second
@@ -365,11 +396,12 @@ class PolicyUpdater:
         """Around an update: sdpa (flash kernels take no block masks); in one process the head's
         weight gradient goes straight into .grad (logprobs.py) and, on a CPU, the layers keep
         fewer activations and freed memory goes back to the OS (grouprl.cpu: it yields what runs
-        before each backward). The CPU devices patch layers FSDP already manages: not on several
-        ranks."""
+        before each backward). The CPU's layer patches would touch layers FSDP manages: on several
+        ranks only its allocator part (cpu.lean_memory)."""
         with block_masks(model, self.cfg.shared_prefix):
-            if self.ranks.distributed:
-                yield lambda: None
+            if self.ranks.distributed:  # freed memory back to the OS all the same
+                with cpu.lean_memory(model, self.cfg) as before_backward:
+                    yield before_backward
                 return
             with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
                 yield before_backward
@@ -377,52 +409,76 @@ class PolicyUpdater:
     def _gradients(
         self, model, tensors: StepTensors, mini: list[int], before_backward, recorded: torch.Tensor | None
     ) -> dict[str, float]:
-        """One mini-batch's gradients, accumulated over its micro-batches and synced over the
-        ranks, and its metrics (the mini-batch's values, over every rank). `recorded`: where the
-        on-policy old log-probs go (None: not kept)."""
-        cfg, world = self.cfg, self.ranks.world
+        """One mini-batch's gradients, accumulated over its micro-batches (several ranks: reduced
+        into the shards), and its metrics (the mini-batch's values, over every rank).
+        `recorded`: where the on-policy old log-probs go (None: not kept)."""
         mini_mask = tensors.loss_mask[mini]
-        # the mini-batch's tokens / rows over every rank; the ranks' gradients are summed (FSDP
-        # averages: x world); and how many ranks' rows have images (the sync runs the tower on
-        # every rank when one did)
-        mode_total, token_total, with_images = self.ranks.reduce(
-            [
-                batch_total(cfg.loss_agg_mode, mini_mask),
-                batch_total("token-mean", mini_mask),
-                float(self._with_images(tensors, mini)),
-            ]
-        )
+        # the mini-batch's tokens / rows over every rank: the loss weights are global
+        totals = self.ranks.reduce([batch_total(self.cfg.loss_agg_mode, mini_mask), batch_total("token-mean", mini_mask)])
         micro_metrics: dict[str, float] = defaultdict(float)
-        with accumulating(model):  # several ranks: whole weights, no collective until the sync
-            # the opening all prompts share runs once: every micro-batch backpropagates into its
-            # leaves, then the opening once, after all of them (likewise a group's prompt)
-            opening = self.opening_forward(model, tensors, mini)
-            opened = opening.detached() if opening is not None else None
-            for unit in self.plan(tensors, mini):
-                # a group split over several micro-batches runs its prompt once: the micro-batches
-                # backpropagate into the prefix's leaves, then the prefix once
-                prefix = self._prefix(model, unit, tensors, opened) if len(unit.micro_batches) > 1 else None
-                leaves = prefix.detached() if prefix is not None else None
-                for micro in unit.micro_batches:
-                    weight = micro_batch_weight(cfg.loss_agg_mode, tensors.loss_mask[micro], mode_total)
-                    token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], token_total)
-                    loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened, recorded)
-                    if weight > 0:
-                        before_backward()
-                        (loss * (weight * world)).backward()
-                    for k, v in m.items():
-                        micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
-                if prefix is not None:
-                    prefix.backward_from(leaves)
-                    del prefix, leaves
-            if opening is not None:
-                opening.backward_from(opened)
-                del opening, opened
-            sync_gradients(model, self.pad_token_id, self.vision if with_images else None)
-        if self.ranks.distributed:  # each rank's metrics are its share of the mini-batch's
-            keys = sorted(micro_metrics)
-            micro_metrics = defaultdict(float, zip(keys, self.ranks.reduce([micro_metrics[k] for k in keys])))
+        if self.ranks.distributed:
+            self._passes_in_step(model, tensors, mini, recorded, totals, micro_metrics, before_backward)
+            keys = sorted(micro_metrics)  # each rank's metrics are its share of the mini-batch's
+            return defaultdict(float, zip(keys, self.ranks.reduce([micro_metrics[k] for k in keys])))
+        # the opening all prompts share runs once: every micro-batch backpropagates into its
+        # leaves, then the opening once, after all of them (likewise a group's prompt)
+        opening = self.opening_forward(model, tensors, mini)
+        opened = opening.detached() if opening is not None else None
+        for unit in self.plan(tensors, mini):
+            # a group split over several micro-batches runs its prompt once: the micro-batches
+            # backpropagate into the prefix's leaves, then the prefix once
+            prefix = self._prefix(model, unit, tensors, opened) if len(unit.micro_batches) > 1 else None
+            leaves = prefix.detached() if prefix is not None else None
+            for micro in unit.micro_batches:
+                loss, m = self._micro_loss(model, tensors, micro, leaves, unit, opened, recorded)
+                weight = self._account(micro_metrics, tensors, micro, m, totals)
+                if weight > 0:
+                    before_backward()
+                    (loss * weight).backward()
+            if prefix is not None:
+                prefix.backward_from(leaves)
+                del prefix, leaves
+        if opening is not None:
+            opening.backward_from(opened)
         return micro_metrics
+
+    def _passes_in_step(
+        self, model, tensors: StepTensors, mini: list[int], recorded, totals, micro_metrics, before_backward
+    ) -> None:
+        """Several ranks: each micro-batch one pass (its prompts inside it), as many passes on
+        every rank (the others' padded with passes of zero weight) and, when any rank's rows have
+        images, the tower run first in every pass (lockstep.py); each pass's backward
+        reduce-scatters its gradients into the shards (every actor.fsdp_reduce_every passes).
+        FSDP averages over the ranks: the weights are times the world size."""
+        micros = [m for unit in self.plan(tensors, mini) for m in unit.micro_batches]
+        count, with_images = lockstep.pass_count(self.ranks, len(micros), self._with_images(tensors, mini))
+        every = self.cfg.fsdp_reduce_every or count
+        try:
+            for i in range(count):
+                set_gradient_sync(model, (i + 1) % every == 0 or i == count - 1)
+                micro = micros[i] if i < len(micros) else None
+                images = self._pass_images(model, tensors.rows(micro) if micro is not None else None, with_images)
+                vision = images.family if images is not None else None
+                if micro is None:
+                    loss = self.log_probs(model, self._pad_batch(tensors), vision=vision)[0].sum() * 0.0
+                else:
+                    loss, m = self._micro_loss(model, tensors, micro, recorded=recorded, vision=vision)
+                    loss = loss * (self._account(micro_metrics, tensors, micro, m, totals) * self.ranks.world)
+                if loss.requires_grad:  # nothing trainable ran: no rank has a gradient to reduce
+                    before_backward()
+                    loss.backward()
+                if images is not None:
+                    images.backward()
+        finally:
+            set_gradient_sync(model, True)
+
+    def _account(self, micro_metrics: dict, tensors: StepTensors, micro: list[int], metrics: dict, totals) -> float:
+        """The micro-batch's weight in the mini-batch's loss; its metrics added at their share."""
+        weight = micro_batch_weight(self.cfg.loss_agg_mode, tensors.loss_mask[micro], totals[0])
+        token_share = micro_batch_weight("token-mean", tensors.loss_mask[micro], totals[1])
+        for k, v in metrics.items():
+            micro_metrics[k] += v * (token_share if k in TOKEN_MEAN_METRICS else weight)
+        return weight
 
     def _with_images(self, tensors: StepTensors, rows: list[int]) -> bool:
         """Some of `rows` shows the policy an image (in its prompt or a later turn)."""
@@ -437,12 +493,12 @@ class PolicyUpdater:
         return float(torch.stack(grads).norm()) if grads else 0.0
 
     def _micro_loss(
-        self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None, recorded=None
+        self, model, tensors: StepTensors, micro: list[int], prefix=None, unit=None, opening=None, recorded=None, vision=None
     ):
         cfg = self.cfg
         want_entropy = cfg.entropy_coef != 0
         log_probs, entropy = self.log_probs(
-            model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit, opening=opening
+            model, tensors, micro, with_entropy=want_entropy, prefix=prefix, unit=unit, opening=opening, vision=vision
         )
         loss_mask = tensors.loss_mask[micro]
         old = tensors.old_log_probs[micro] if tensors.old_log_probs is not None else log_probs.detach()

@@ -38,8 +38,10 @@ class ImageInput:
     extra: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # fingerprint of the pixels: prompts are the same prompt only with the same images
     # the PIL image the processor read (within the pixel limits), for an engine that processes
-    # images itself (vLLM); set by `Family.prepare`, and not carried by `dataclasses.replace`
-    source: Any = field(default=None, init=False, repr=False, compare=False)
+    # images itself (vLLM); set by `Family.prepare`. A field like the others, so that
+    # `dataclasses.replace` works: FSDP's mixed precision rebuilds the dataclasses among a
+    # forward's inputs with their tensors cast (bf16 pixels under bf16 compute)
+    source: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.key and self.tensors:

@@ -68,9 +68,12 @@ class VisionProcessor:
         if settings:
             (Path(folder) / PROCESSOR_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
 
-    def prepare_image(self, image: Any, base_dir: str | Path | None = None) -> ImageInput:
-        """One image (path, bytes or PIL) within the pixel limits, processed for the model."""
-        return self.family.prepare(fit_pixels(open_image(image, base_dir), self.min_pixels, self.max_pixels))
+    def prepare_image(self, image: Any, base_dir: str | Path | None = None, max_pixels: int = 0) -> ImageInput:
+        """One image (path, bytes or PIL) within the pixel limits, processed for the model;
+        `max_pixels` > 0: a tighter upper limit for this image (an observation's token budget)."""
+        top = min(max_pixels, self.max_pixels) if max_pixels and self.max_pixels else max_pixels or self.max_pixels
+        low = min(self.min_pixels, top) if top else self.min_pixels
+        return self.family.prepare(fit_pixels(open_image(image, base_dir), low, top))
 
     def encode_text(self, text: str, images: list[ImageInput]) -> list[int]:
         """Token ids of `text` with each `<image>` replaced by the next image's expansion."""

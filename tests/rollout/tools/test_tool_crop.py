@@ -144,3 +144,14 @@ def test_parse_and_map_helpers():
     assert parse_box("1e1, -2, 3.5, 4") == (10.0, -2.0, 3.5, 4.0)
     assert to_original_pixels((0, 0, 100, 50), shown=(100, 50), original=(1000, 500)) == (0, 0, 1000, 500)
     assert to_original_pixels((33, 0, 34, 1), shown=(100, 100), original=(300, 300)) == (99, 0, 102, 3)
+
+
+def test_a_crop_over_max_pixels_is_scaled_down_aspect_kept(page):
+    """data.image_max_pixels reaches the crop tool: a crop with more pixels comes back scaled
+    down to them (the whole 200 x 100 page under a quarter of its pixels: 100 x 50)."""
+    state = state_showing(page, (200, 100))
+    observation = asyncio.run(CropTool(max_pixels=200 * 100 // 4)("[0, 0, 200, 100]", state))
+    [image] = observation.images
+    assert image.size == (100, 50) and state.crops == [image]
+    small = asyncio.run(CropTool(max_pixels=200 * 100 // 4)("[0, 0, 50, 50]", state_showing(page, (200, 100))))
+    assert small.images[0].size == (50, 50)  # within the cap: as cropped

@@ -8,7 +8,10 @@ processes them with the same image processor class and settings (its on-device n
 off, so the processor normalises as the trainer's does) and runs its own vision tower on the
 result. Every request is checked before it is queued: each image's token count in vLLM's
 expansion equals the trainer's, the expanded prompt equals the trainer's ids, and vLLM's pixel
-tensors equal the trainer's exactly (`ImageMismatch` otherwise, naming the prompt and the image).
+tensors equal the trainer's in the dtype vLLM computes with (vLLM casts a processor's floating
+outputs to its model's dtype: bf16 pixels for a bf16 engine, the trainer's float32 pixels
+rounded as its own bf16 compute rounds them); `ImageMismatch` otherwise, naming the prompt, the
+image, the dtype and the processor settings that differ.
 A prompt's n samples are one request, so its images are processed once; later turns of a session
 send the same images under the same keys, which vLLM's processor cache (emptied after each
 rollout) and prefix cache find. Image and frame tokens are never sampled (`bad_words`), so vLLM's
@@ -97,6 +100,7 @@ class ImageRequests:
         self.never_sampled = family.never_sampled()
         self.bad_words = self._banned_words(self.never_sampled)
         self.allowed: list[int] | None = None  # the other tokens, where bad_words cannot say it
+        self.their_processor = None  # -> vLLM's image processor, for a mismatch's message
 
     # ------------------------------------------------------------------ requests
     def inputs(self, llm, prompts: list[list[int]], images: list[list] | None) -> list:
@@ -107,6 +111,7 @@ class ImageRequests:
         if not with_images:
             return inputs
         requests = [self.request(i, prompts[i], images[i]) for i in with_images]
+        self.their_processor = lambda: their_image_processor(llm)
         rendered = llm.llm_engine.renderer.render_cmpl(requests)
         try:
             for i, request in zip(with_images, rendered):
@@ -155,7 +160,8 @@ class ImageRequests:
                     i,
                     f"prompt {i}, image {j} ({image.original_size[0]}x{image.original_size[1]}): vLLM expands it to "
                     f"{count} image tokens, the trainer's processor to {image.num_tokens}; both must read the "
-                    f"model folder's processor settings{_SETTINGS_HINT.get(self.family.name, '')}",
+                    f"model folder's processor settings{_SETTINGS_HINT.get(self.family.name, '')}; "
+                    + self.differences(),
                 )
         got = list(request["prompt_token_ids"])
         if len(places) != len(images) or got != list(prompt):
@@ -171,14 +177,31 @@ class ImageRequests:
                 continue
             for name, tensor in image.tensors.items():
                 theirs = item[name].data if name in item else None
-                if theirs is not None and not (
-                    theirs.numel() == tensor.numel() and torch.equal(theirs, tensor.reshape(theirs.shape))
-                ):
-                    raise ImageMismatch(
-                        i,
-                        f"prompt {i}, image {j}: vLLM's processor gives other {name} than the trainer's "
-                        "(the two image processors differ in class or settings)",
-                    )
+                if theirs is None or same_values(tensor, theirs):
+                    continue
+                dtype = str(theirs.dtype).removeprefix("torch.")
+                said = f" in {dtype} (vLLM's dtype)" if theirs.dtype != tensor.dtype else ""
+                raise ImageMismatch(
+                    i,
+                    f"prompt {i}, image {j}: vLLM's processor gives other {name} than the trainer's{said}; "
+                    + self.differences(),
+                )
+
+    def differences(self) -> str:
+        """What tells the trainer's image processor from vLLM's (read from the model folder): the
+        settings that differ, or their classes where the settings agree."""
+        theirs = self.their_processor() if self.their_processor is not None else None
+        ours = self.family.image_processor
+        if theirs is None:
+            return f"the trainer's image processor ({type(ours).__name__}) differs from the model folder's, which vLLM reads"
+        a, b = _settings(ours), _settings(theirs)
+        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        if keys:
+            shown = ", ".join(f"{k} {a.get(k, '(unset)')!r} here, {b.get(k, '(unset)')!r} in vLLM's" for k in keys[:4])
+            return f"the image processors' settings differ ({shown}; vLLM reads the model folder's preprocessor_config.json)"
+        if type(ours).__name__ != type(theirs).__name__:
+            return f"the image processors differ in class ({type(ours).__name__} here, {type(theirs).__name__} in vLLM's)"
+        return f"the image processors agree in class ({type(ours).__name__}) and settings: the images were processed elsewhere"
 
     def forget(self, llm) -> None:
         """A rollout has ended: its processed images (a host copy of each) go."""
@@ -215,6 +238,37 @@ class ImageRequests:
             vocab = llm.llm_engine.model_config.get_vocab_size()
             self.allowed = [t for t in range(vocab) if t not in banned]
         return {"allowed_token_ids": self.allowed}
+
+
+def same_values(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Whether vLLM's tensor holds the trainer's values as vLLM computes with them: vLLM casts a
+    processor's floating outputs to its model's dtype (bf16 pixels for a bf16 engine), which is
+    also what the trainer's bf16 compute does with its float32 pixels at the tower's first product."""
+    if theirs.numel() != ours.numel():
+        return False
+    ours = ours.reshape(theirs.shape)
+    if theirs.dtype != ours.dtype and theirs.is_floating_point() and ours.is_floating_point():
+        ours = ours.to(theirs.dtype)
+    return ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+def their_image_processor(llm):
+    """vLLM's Hugging Face image processor (vLLM internals: None where they moved)."""
+    try:
+        return llm.llm_engine.renderer.get_mm_processor().info.get_hf_processor().image_processor
+    except Exception:  # noqa: BLE001 - only a message's detail depends on it
+        return None
+
+
+def _settings(processor) -> dict:
+    """An image processor's settings, comparable: enums as their values, sequences as tuples."""
+    out = {}
+    for key, value in processor.to_dict().items():
+        if key.startswith("_") or key in ("image_processor_type", "processor_class"):
+            continue
+        value = getattr(value, "value", value)
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 def renormalised(log_probs: list[float], steps: list, banned: list[int]) -> list[float]:

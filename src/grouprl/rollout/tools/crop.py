@@ -3,7 +3,7 @@
 Coordinates are pixels of the image as shown to the policy (`state.current_image_size`,
 (width, height)); they are scaled to the original image, x1/y1 rounded down and x2/y2 up
 (the crop never loses a pixel the policy pointed at), and clamped to the image. The crop
-(a PIL image) is the observation's image and is appended to `state.crops`; the current
+(a PIL image, scaled down, aspect kept, to `max_pixels` when larger) is the observation's image and is appended to `state.crops`; the current
 image stays the page, so the next box is again relative to the page.
 
 Every mistake is an error observation, counted in `state.errors` by kind: `bbox_format`
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from grouprl.rollout.tools.base import AgentState, Observation
+from grouprl.vision.images import fit_pixels
 
 _SEPARATORS = re.compile(r"[,\s]+")
 
@@ -68,6 +69,9 @@ def to_original_pixels(
 class CropTool:
     name = "bbox"
 
+    def __init__(self, max_pixels: int = 0):
+        self.max_pixels = max_pixels  # a larger crop is scaled down to this many pixels (0 = never)
+
     async def __call__(self, argument: str, state: AgentState) -> Observation:
         try:
             box = parse_box(argument)
@@ -100,7 +104,7 @@ class CropTool:
                 "bbox_empty",
                 f"<bbox> {list(box)} lies outside the image (size {shown[0]}x{shown[1]}).",
             )
-        crop = image.crop(crop_box)
+        crop = fit_pixels(image.crop(crop_box), max_pixels=self.max_pixels)
         state.crops.append(crop)
         return Observation(text=f"Cropped region {list(box)} of the current image.", images=[crop])
 

@@ -9,9 +9,10 @@ from grouprl.rollout.tools.base import Tool
 KNOWN_TOOLS = ("search", "bbox")
 
 
-def build_tools(cfg: AgentConfig) -> dict[str, Tool]:
+def build_tools(cfg: AgentConfig, max_pixels: int = 0) -> dict[str, Tool]:
     """action tag -> Tool. search: the HTTP service at agent.retriever.url, else the index at
-    agent.retriever.index loaded in-process (no server needed)."""
+    agent.retriever.index loaded in-process (no server needed). `max_pixels` (data.image_max_pixels,
+    0 = none): the most pixels of a page the search shows and of a crop."""
     unknown = sorted(set(cfg.tools) - set(KNOWN_TOOLS))
     if unknown:
         raise ConfigError(f"agent.tools: unknown tool {unknown[0]!r}; known: {', '.join(KNOWN_TOOLS)}")
@@ -33,10 +34,10 @@ def build_tools(cfg: AgentConfig) -> dict[str, Tool]:
                 "agent.tools has search: set agent.retriever.index (in-process) or agent.retriever.url"
             )
         tools["search"] = SearchTool(
-            backend, top_k=r.top_k, max_consecutive_failures=r.max_consecutive_failures
+            backend, top_k=r.top_k, max_consecutive_failures=r.max_consecutive_failures, max_pixels=max_pixels
         )
     if "bbox" in cfg.tools:
         from grouprl.rollout.tools.crop import CropTool
 
-        tools["bbox"] = CropTool()
+        tools["bbox"] = CropTool(max_pixels=max_pixels)
     return tools

@@ -40,7 +40,6 @@ from grouprl.trainer.memory.peaks import PeakMeter
 from grouprl.trainer.memory.plan import (
     Phase,
     Plan,
-    activation_bytes_per_token,
     context_length,
     cpu_kv_cache_gb,
     generation_rows,
@@ -49,10 +48,12 @@ from grouprl.trainer.memory.plan import (
     plan_memory,
     settle_for_devices,
 )
+from grouprl.trainer.memory.update import MicroBatch, activation_bytes_per_token, longest, micro_batch
 
 __all__ = [
-    "AUTO_MICRO_BATCH_TOKENS", "CPU_RUNTIME_GB", "CUDA_RUNTIME_GB", "GIB", "PHASES", "Devices", "PeakMeter", "Phase",
-    "Plan", "Shape", "activation_bytes_per_token", "context_length", "cpu_kv_cache_gb", "current_rss_gb",
-    "devices_for", "generation_rows", "host_memory_gb", "kv_need_gb", "lr_resolution_warning", "micro_batches_per_step",
-    "model_shape", "plan_memory", "plan_run", "refusal", "settle_for_devices", "what_would_fit",
+    "AUTO_MICRO_BATCH_TOKENS", "CPU_RUNTIME_GB", "CUDA_RUNTIME_GB", "GIB", "PHASES", "Devices", "MicroBatch", "PeakMeter",
+    "Phase", "Plan", "Shape", "activation_bytes_per_token", "context_length", "cpu_kv_cache_gb", "current_rss_gb",
+    "devices_for", "generation_rows", "host_memory_gb", "kv_need_gb", "longest", "lr_resolution_warning",
+    "micro_batch", "micro_batches_per_step", "model_shape", "plan_memory", "plan_run", "refusal", "settle_for_devices",
+    "what_would_fit",
 ]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 from grouprl.config import Config
 from grouprl.errors import UserError
 from grouprl.trainer.memory.inputs import GIB, Devices, Shape, devices_for, model_shape
-from grouprl.trainer.memory.plan import Plan, _compute_bytes, context_length, plan_memory, settle_for_devices
+from grouprl.trainer.memory.plan import Plan, _compute_bytes, context_length, settle_for_devices
+from grouprl.trainer.memory.plan import plan_memory as _plan_memory
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,13 @@ def _variants(cfg: Config, devices: Devices):
                 yield f"trainer.nnodes={nodes}", cfg, replace(devices, nodes=nodes)
 
 
-def what_would_fit(cfg: Config, shape: Shape, devices: Devices, limit: int = 4) -> list[str]:
+def what_would_fit(
+    cfg: Config, shape: Shape, devices: Devices, limit: int = 4, longest_prompt: int | None = None
+) -> list[str]:
     """Settings that make the plan fit: each single change that does, else the changes taken
     together in the order tried (the first that fits with those before it)."""
     cfg = settle_for_devices(cfg, shape, devices)  # `auto` settings as the devices make them
+    plan_memory = functools.partial(_plan_memory, longest_prompt=longest_prompt)
     singles: dict[str, str] = {}  # the first that fits of each key (the fewest GPUs or nodes)
     for setting, c, d in _variants(cfg, devices):
         key = setting.split("=")[0]
@@ -103,11 +108,11 @@ def _shape_for(changed: Config, original: Config, shape: Shape) -> Shape:
 
 
 # ----------------------------------------------------------------------------- checks and reports
-def refusal(plan: Plan, cfg: Config, shape: Shape) -> str:
+def refusal(plan: Plan, cfg: Config, shape: Shape, longest_prompt: int | None = None) -> str:
     """One line: the phase that does not fit, its figure, the device's, and what would fit."""
     worst = plan.worst
     biggest = sorted(worst.parts.items(), key=lambda kv: -kv[1])[:3]
-    fixes = what_would_fit(cfg, shape, plan.devices)
+    fixes = what_would_fit(cfg, shape, plan.devices, longest_prompt=longest_prompt)
     where = "per rank (a share of the host)" if plan.devices.kind == "cpu" and plan.devices.per_node > 1 else "per device"
     return (
         f"memory plan: the {worst.name} phase needs {worst.peak:.1f} GiB {where}, "
@@ -141,10 +146,13 @@ def current_rss_gb() -> float:
     return psutil.Process().memory_info().rss / GIB
 
 
-def plan_run(cfg: Config, config, run_dir: Path, *, write: bool) -> tuple[Config, Plan | None]:
+def plan_run(
+    cfg: Config, config, run_dir: Path, *, write: bool, longest_prompt: int | None = None
+) -> tuple[Config, Plan | None]:
     """At a run's start, before the model loads: the settings settled for the devices, and their
-    plan, written to <run>/memory_plan.json (`write`: this rank writes); a plan that does not
-    fit stops the run with one line (trainer.memory_check=refuse) or warns (warn)."""
+    plan (from the data's longest prompt, images counted), written to <run>/memory_plan.json
+    (`write`: this rank writes); a plan that does not fit stops the run with one line
+    (trainer.memory_check=refuse) or warns (warn)."""
     check = cfg.trainer.memory_check
     shape = model_shape(cfg.model, config)
     devices = devices_for(cfg)
@@ -152,11 +160,13 @@ def plan_run(cfg: Config, config, run_dir: Path, *, write: bool) -> tuple[Config
     if check == "off":
         return cfg, None
     runtime = current_rss_gb() if devices.kind == "cpu" and not devices.named else None
-    plan = plan_memory(cfg, shape, devices, runtime_gb=runtime)
+    plan = _plan_memory(cfg, shape, devices, runtime_gb=runtime, longest_prompt=longest_prompt)
     if write:
         plan.write(run_dir)
-    if not plan.fits:
-        line = refusal(plan, cfg, shape)
+    if not plan.checked:
+        log.warning("memory plan: %s of unknown memory: set trainer.gpu_memory_gb to check the fit", devices.describe())
+    elif not plan.fits:
+        line = refusal(plan, cfg, shape, longest_prompt)
         if check == "refuse":
             raise UserError(line)
         log.warning(line)

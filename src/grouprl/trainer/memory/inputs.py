@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from grouprl.config import Config
-from grouprl.errors import UserError
 
 GIB = 2**30
 AUTO_MICRO_BATCH_TOKENS = 16384  # actor.micro_batch_tokens=auto on CUDA (verl's ppo_max_token_len_per_gpu default)
@@ -17,6 +16,14 @@ PHASES = ("startup", "generation", "update")
 # (about 0.5-1 GiB on an H100); on a CPU the interpreter with torch and transformers imported
 CUDA_RUNTIME_GB = 1.0
 CPU_RUNTIME_GB = 1.0
+# PyTorch's caching allocator on CUDA reserves more than it allocates: blocks split and cached
+# for other sizes (the plan's stated margin on what the trainer allocates in a phase)
+FRAGMENTATION = 0.05
+# what vLLM still holds asleep (levels 1 and 2 free its weights and KV cache): its CUDA graphs'
+# memory pool (captured batch sizes; none with enforce_eager) and buffers of its own (sampler,
+# workspaces), as vLLM's own reports of a 7-8B model put them
+VLLM_ASLEEP_GB = 1.25
+VLLM_ASLEEP_EAGER_GB = 0.25
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ class Shape:
     vocab: int
     file_bytes: int = 4  # bytes a weight takes in the checkpoint (config.json's dtype)
     head: int = 0  # the LM head's weights when not tied to the embeddings
+    root: int = 0  # outside the layers FSDP shards one by one (embeddings, head, norms, a VLM's connector)
+    positions: int = 0  # the language model's max_position_embeddings (0 = unknown)
 
     def frozen_copy_bytes(self, param_bytes: int, autocast_bytes: int | None) -> float:
         """A copy that runs under autocast only (trainer.models.cast_frozen_linears): its linear
@@ -90,7 +99,9 @@ def model_shape(model_cfg, config) -> Shape:
         vision += p.numel() if _strip_peft(name).startswith(vision_prefixes) else 0
     from grouprl.trainer.parallel import decoder_layers
 
-    layer = max((sum(p.numel() for p in m.parameters()) for m in decoder_layers(model)), default=0)
+    blocks = decoder_layers(model)
+    layer = max((sum(p.numel() for p in m.parameters()) for m in blocks), default=0)
+    in_blocks = {id(p) for m in blocks for p in m.parameters()}
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -99,6 +110,8 @@ def model_shape(model_cfg, config) -> Shape:
         layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
         heads=heads, kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
         vocab=text.vocab_size, head=untied_head, file_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
+        root=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values() if id(p) not in in_blocks),
+        positions=getattr(text, "max_position_embeddings", 0) or 0,
     )  # fmt: skip
 
 
@@ -121,8 +134,12 @@ class Devices:
     kind: str  # "cuda" or "cpu"
     nodes: int
     per_node: int  # ranks on one node: its GPUs, or CPU processes sharing the host
-    memory_gb: float  # one device's memory; on a CPU the host's, which the node's ranks share
+    memory_gb: float  # one device's memory as it reports it (GiB; 0 = unknown); on a CPU the host's, which the node's ranks share
     named: bool = False  # from the settings, not read off this machine
+
+    @property
+    def known(self) -> bool:
+        return self.memory_gb > 0
 
     @property
     def world(self) -> int:
@@ -133,7 +150,13 @@ class Devices:
             ranks = f", {self.per_node} ranks on each" if self.per_node > 1 else ""
             hosts = f"{self.nodes} CPU hosts" if self.nodes > 1 else "a CPU host"
             return f"{hosts} of {self.memory_gb:.1f} GiB{ranks}"
-        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.per_node} GPU{'s' if self.per_node > 1 else ''} of {self.memory_gb:.1f} GiB"
+        memory = f"{self.memory_gb:.1f} GiB" if self.known else "unknown memory"
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} x {self.per_node} GPU{'s' if self.per_node > 1 else ''} of {memory}"
+
+
+def cuda_memory_gb(index: int) -> float:
+    """What the driver reports of a GPU's memory (an "80 GB" H100 or A100: about 79.2 GiB)."""
+    return torch.cuda.mem_get_info(index)[1] / GIB
 
 
 def host_memory_gb() -> float:
@@ -151,14 +174,11 @@ def devices_for(cfg: Config) -> Devices:
         memory = t.gpu_memory_gb
         if not memory:
             if kind == "cuda" and torch.cuda.is_available():
-                memory = torch.cuda.get_device_properties(0).total_memory / GIB
+                memory = cuda_memory_gb(0)
             elif kind == "cpu":
                 memory = host_memory_gb()
-            else:
-                raise UserError(
-                    f"trainer.n_gpus_per_node={t.n_gpus_per_node} names GPUs this machine lacks: "
-                    "set trainer.gpu_memory_gb (the memory of one, e.g. 80) to plan for them"
-                )
+            else:  # GPUs this machine lacks (a GPU script's dry run on a laptop): planned, not checked
+                memory = 0.0
         return Devices(kind, t.nnodes, t.n_gpus_per_node, float(memory), named=True)
     from grouprl.trainer.models import resolve_device
 
@@ -168,7 +188,7 @@ def devices_for(cfg: Config) -> Devices:
     if t.gpu_memory_gb:
         memory = t.gpu_memory_gb
     elif device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device.index or 0).total_memory / GIB
+        memory = cuda_memory_gb(device.index or 0)
     else:
         memory = host_memory_gb()
     return Devices(device.type, max(1, world // max(per_node, 1)), per_node, float(memory))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -13,10 +14,14 @@ from grouprl.trainer.memory.inputs import (
     AUTO_MICRO_BATCH_TOKENS,
     CPU_RUNTIME_GB,
     CUDA_RUNTIME_GB,
+    FRAGMENTATION,
     GIB,
+    VLLM_ASLEEP_EAGER_GB,
+    VLLM_ASLEEP_GB,
     Devices,
     Shape,
 )
+from grouprl.trainer.memory.update import MicroBatch, PassSettings, activation_parts, micro_batch
 
 
 @dataclass
@@ -34,10 +39,13 @@ class Plan:
     devices: Devices
     phases: list[Phase]
     resolved: dict[str, str]  # the settings the plan assumed, `auto` resolved
+    vllm_share: float | None = None  # the most of the device vLLM may take beside the trainer (CUDA)
+    gpu_share: float = 0.0  # rollout.gpu_memory_utilization as planned
 
     @property
     def budget_gb(self) -> float:
-        """What one rank may use: the device, or on a CPU its share of the host."""
+        """What one rank may use: the device as it reports its memory, or on a CPU its share of
+        the host."""
         d = self.devices
         return d.memory_gb / max(d.per_node, 1) if d.kind == "cpu" else d.memory_gb
 
@@ -49,8 +57,14 @@ class Plan:
         return max(self.phases, key=lambda p: p.peak)
 
     @property
+    def checked(self) -> bool:
+        """Whether the devices' memory is known, so that the fit could be checked."""
+        return self.devices.known
+
+    @property
     def fits(self) -> bool:
-        return self.worst.peak <= self.budget_gb
+        """The worst phase within the budget (True where the memory is unknown: not checked)."""
+        return not self.checked or self.worst.peak <= self.budget_gb
 
     def table(self) -> list[str]:
         """The plan as text: GiB per part (rows) and phase (columns), each phase's peak, the
@@ -64,17 +78,40 @@ class Plan:
             lines.append("".join([f"{part:<{width}}", *cells]))
         lines.append("".join([f"{'peak per device':<{width}}", *(f"{p.peak:>12.2f}" for p in self.phases)]))
         share = f" (a 1/{self.devices.per_node} share of the host: {self.budget_gb:.1f} GiB)" if self.devices.kind == "cpu" and self.devices.per_node > 1 else ""
-        verdict = "fits" if self.fits else f"DOES NOT FIT ({self.worst.name}: {self.worst.peak:.1f} GiB)"
+        if not self.checked:
+            verdict = "set trainer.gpu_memory_gb to check the fit"
+        elif self.fits:
+            verdict = f"fits, {self.budget_gb - self.worst.peak:.1f} GiB to spare ({self.worst.name})"
+        else:
+            verdict = f"DOES NOT FIT ({self.worst.name}: {self.worst.peak:.1f} GiB)"
         lines.append(f"devices: {self.devices.describe()}{share}: {verdict}")
+        if not self.checked and "engine (vLLM)" in self.phase("generation").parts:
+            lines.append(
+                f"generation: vLLM takes rollout.gpu_memory_utilization={self.gpu_share:.2f} of each device beside the "
+                f"trainer's {self.resident_in_generation:.1f} GiB"
+            )
+        if self.vllm_share is not None:
+            lines.append(
+                f"generation: the trainer keeps {self.resident_in_generation:.1f} GiB resident beside vLLM, which "
+                f"may take up to rollout.gpu_memory_utilization={self.vllm_share:.2f} of the device"
+            )
         lines.append("assumed: " + ", ".join(f"{k}={v}" for k, v in self.resolved.items()))
         return lines
+
+    @property
+    def resident_in_generation(self) -> float:
+        """What the trainer keeps on the device while generating: the generation phase without vLLM."""
+        parts = self.phase("generation").parts
+        return sum(v for k, v in parts.items() if k != "engine (vLLM)")
 
     def to_json(self) -> dict:
         return {
             "devices": asdict(self.devices),
             "budget_gb": round(self.budget_gb, 3),
             "fits": self.fits,
+            "checked": self.checked,
             "resolved": self.resolved,
+            "vllm_share": self.vllm_share,
             "phases": {p.name: {"parts": {k: round(v, 4) for k, v in p.parts.items()}, "peak_gb": round(p.peak, 4)} for p in self.phases},
         }
 
@@ -91,43 +128,20 @@ def _bytes(dtype: torch.dtype | None, default: int) -> int:
 
 def context_length(cfg: Config) -> int:
     """The longest sequence a trajectory can reach: the prompt and every policy and observation
-    token after it (an agent's turns), capped by rollout.max_model_len when set."""
+    token after it (an agent's turns: an observation is bounded in tokens with its images,
+    `agent.max_observation_tokens`), capped by rollout.max_model_len when set."""
     r, a = cfg.rollout, cfg.agent
     if a.enabled:
-        response = a.max_response_tokens or a.max_turns * r.max_response_length
-        turns = a.max_turns
-        total = cfg.data.max_prompt_length + response + turns * a.max_observation_tokens
+        # every turn's response and observation (image tokens and turn markers included), and
+        # the frozen generator's answer appended after <search_complete> (its text and a newline)
+        turns = a.max_turns * r.max_response_length + (a.max_turns - 1) * a.max_observation_tokens
+        answer = a.answer_max_tokens + 1 if a.answer_generator != "none" else 0
+        # a trajectory stops taking observations at max_response_tokens; its turn then runs on
+        response = min(a.max_response_tokens - 1 + r.max_response_length, turns) if a.max_response_tokens else turns
+        total = cfg.data.max_prompt_length + response + answer
     else:
         total = cfg.data.max_prompt_length + r.max_response_length
     return min(total, r.max_model_len) if r.max_model_len else total
-
-
-def activation_bytes_per_token(shape: Shape, *, param_bytes: int, compute_bytes: int, lean: bool) -> int:
-    """What autograd keeps for backward per token and decoder layer (no checkpointing), with
-    attention by a fused kernel (flash / memory-efficient SDPA: no [T, T] scores kept), counted
-    off transformers' Llama/Qwen2 layers (tests/trainer/test_memory.py holds the count against
-    autograd's saved tensors). In elements of hidden size h, intermediate size i and key/value
-    width kv:
-    - float32 throughout: 8 h (each norm's input, normalised input and output, the queries, the
-      attention's output), 4 i (gate, up, activation, product), 2 kv (keys, values);
-    - bf16 autocast over float32 weights: the norms' input and normalised input stay float32
-      (4 h), and 7 h in bf16: the first norm's output cast once for each of q, k, v, the second's
-      once for each of gate and up, the queries and the attention's output; 4 i and 2 kv in bf16;
-    - bf16 weights (model.dtype, or FSDP's gathered mixed precision): 2 h float32 inside the norms,
-      6 h, 4 i and 2 kv in bf16.
-    `lean` (a CPU's actor.lean_norm and lean_mlp) recomputes the normalised inputs (2 h float32)
-    and the MLP's activation and product (2 i)."""
-    h, i = shape.hidden, shape.intermediate
-    kv = shape.kv_heads * shape.head_dim
-    if param_bytes == 4 and compute_bytes == 4:
-        total = 4 * (8 * h + 4 * i + 2 * kv)
-    elif param_bytes == 4:
-        total = 4 * 4 * h + compute_bytes * (7 * h + 4 * i + 2 * kv)
-    else:
-        total = 4 * 2 * h + param_bytes * (6 * h + 4 * i + 2 * kv)
-    if lean:
-        total -= 4 * 2 * h + compute_bytes * 2 * i
-    return total
 
 
 def _param_bytes(cfg: Config) -> int:
@@ -146,20 +160,38 @@ def _compute_bytes(cfg: Config, devices: Devices) -> int:
     return param_bytes
 
 
-def plan_memory(cfg: Config, shape: Shape, devices: Devices, runtime_gb: float | None = None) -> Plan:
+def plan_memory(
+    cfg: Config, shape: Shape, devices: Devices, runtime_gb: float | None = None, longest_prompt: int | None = None
+) -> Plan:
     """Each phase's parts on one device (see the module docstring). `runtime_gb`: what the
-    process holds besides the model (default: an estimate per device kind)."""
+    process holds besides the model (default: an estimate per device kind); `longest_prompt`:
+    the data's longest prompt in tokens, images counted (None: data not read, the limit)."""
     cfg = settle_for_devices(cfg, shape, devices)  # `auto` settings as the devices make them
-    sizes = _Sizes(cfg, shape, devices, runtime_gb)
-    phases = [sizes.startup(), sizes.generation(), sizes.update()]
-    return Plan(devices, phases, sizes.resolved())
+    sizes = _Sizes(cfg, shape, devices, runtime_gb, longest_prompt)
+    phases = [with_margin(phase, devices) for phase in (sizes.startup(), sizes.generation(), sizes.update())]
+    plan = Plan(devices, phases, sizes.resolved(), gpu_share=cfg.rollout.gpu_memory_utilization)
+    if cfg.rollout.engine == "vllm" and devices.kind == "cuda" and devices.known and not cfg.rollout.kv_cache_gb:
+        free = (plan.budget_gb - plan.resident_in_generation) / devices.memory_gb
+        plan.vllm_share = max(0.0, math.floor(free * 100) / 100)
+    return plan
+
+
+def with_margin(phase: Phase, devices: Devices) -> Phase:
+    """On CUDA, the caching allocator's fragmentation: FRAGMENTATION of what PyTorch allocates in
+    the phase (vLLM's share has its own allocator; the runtime is outside it)."""
+    if devices.kind != "cuda":
+        return phase
+    allocated = sum(v for k, v in phase.parts.items() if k not in ("runtime", "engine (vLLM)"))
+    phase.parts[f"allocator margin ({FRAGMENTATION:.0%}, fragmentation)"] = FRAGMENTATION * allocated
+    return phase
 
 
 class _Sizes:
     """The figures (GiB per device) the phases are made of, for settled settings."""
 
-    def __init__(self, cfg: Config, shape: Shape, devices: Devices, runtime_gb: float | None):
+    def __init__(self, cfg: Config, shape: Shape, devices: Devices, runtime_gb: float | None, longest_prompt: int | None):
         self.cfg, self.shape, self.devices = cfg, shape, devices
+        self.longest_prompt = longest_prompt
         m, r, a = cfg.model, cfg.rollout, cfg.actor
         self.on_cuda = devices.kind == "cuda"
         self.world = world = devices.world
@@ -212,16 +244,21 @@ class _Sizes:
         kv_need = kv_need_gb(cfg, shape, world, rollout_bytes)
         self.generation_parts: dict[str, float] = {}
         self.vllm_in_update: str | None = None
+        self.asleep_in_update = 0.0
         if r.engine == "vllm":
             if r.kv_cache_gb:
                 engine = shape.params * rollout_bytes * gb + r.kv_cache_gb
-            elif self.on_cuda:
+            elif self.on_cuda and self.devices.known:
                 engine = r.gpu_memory_utilization * self.devices.memory_gb
+            elif self.on_cuda:  # the device's memory unknown: its share of it is unknown too (see Plan.table)
+                engine = 0.0
             else:  # vLLM's CPU build: the KV cache the rollout can fill (cpu_kv_cache_gb)
                 engine = shape.params * rollout_bytes * gb + cpu_kv_cache_gb(kv_need)
             self.generation_parts["engine (vLLM)"] = engine
             asleep = r.sleep_level > 0 and self.on_cuda
             self.awake_in_update = 0.0 if asleep else engine
+            # asleep, vLLM still holds its CUDA graphs' memory pool and buffers of its own
+            self.asleep_in_update = (VLLM_ASLEEP_EAGER_GB if r.enforce_eager else VLLM_ASLEEP_GB) if asleep else 0.0
             self.vllm_in_update = f"asleep (level {r.sleep_level})" if asleep else "awake"
             return
         logits = generation_rows(cfg, world) * shape.vocab * 4 * 2 * gb  # a decode step's float32 logits and their softmax
@@ -229,10 +266,13 @@ class _Sizes:
         self.generation_parts["decode logits"] = logits
         if world == 1 and not r.max_staleness and rollout_bytes < self.param_bytes:
             # autocast keeps a cast of each trainable weight for as long as the rollout's autocast lasts
-            self.generation_parts["weights cast for autocast"] = (shape.linear + shape.head) * rollout_bytes * gb
+            # (the LM head's weight among them, tied to the embeddings or not)
+            self.generation_parts["weights cast for autocast"] = (shape.linear + shape.vocab * shape.hidden) * rollout_bytes * gb
         if world > 1 and not r.max_staleness:  # the built-in engine decodes on the gathered policy:
-            # FSDP's all-gathered copy (in the compute dtype), beside the shards
+            # FSDP's all-gathered copy (in the compute dtype), beside the shards, and the buffer a
+            # module's all-gather lands in before it is copied out (the largest: the root's)
             self.generation_parts["gathered policy"] = shape.params * self.compute_bytes * gb
+            self.generation_parts["all-gather buffer"] = max(shape.root, shape.layer) * self.compute_bytes * gb
         self.awake_in_update = (kv_need + logits) if r.max_staleness else 0.0
 
     def _held(self) -> dict[str, float]:
@@ -246,17 +286,16 @@ class _Sizes:
         startup = Phase("startup", {"runtime": self.runtime})
         parts = startup.parts
         if self.world > 1:
-            # sharded loading: rank 0 reads the weights into host memory, every rank makes its shards
-            # on its device and fills them from rank 0's, one whole tensor at a time
+            # each rank reads only its shards' slices of the checkpoint (slices.py), straight to
+            # where they live, a tensor at a time
             parts["policy shard (offloaded to host)" if self.offloaded else "policy shard"] = self.weights_here
             largest = max(shape.vocab, shape.intermediate) * shape.hidden * param_bytes * gb
-            parts["one tensor whole (while filled)"] = largest
-            if on_cpu:  # the host is the device: rank 0's whole copy counts
-                parts["rank 0's whole copy (host)"] = shape.params * param_bytes * gb
-                if shape.file_bytes != param_bytes:  # and the file it converts, mapped while read
-                    parts["checkpoint file (mapped while converted)"] = shape.params * shape.file_bytes * gb
+            parts["one tensor's slice in flight"] = largest / self.shards
             if self.reference:
                 parts["reference shard"] = self.reference
+            if on_cpu:  # the host is the device: the file's pages a rank reads are mapped into it
+                copies = 2 if self.reference else 1
+                parts["checkpoint slices (mapped while read)"] = copies * shape.params * shape.file_bytes / self.shards * gb
         else:
             # one process loads the whole model, and copies it for the reference. On a CPU, weights
             # stored in their training dtype are mapped from the file, not copied: untouched until
@@ -290,60 +329,99 @@ class _Sizes:
         parts.update(self.generation_parts)
         return generation
 
-    def micro_batch_tokens(self) -> int:
-        """A micro-batch's tokens: a token budget's holds at least one whole row (one over the
-        budget goes alone)."""
-        a, length = self.cfg.actor, context_length(self.cfg)
-        return max(a.micro_batch_tokens, length) if a.micro_batch_tokens else a.micro_batch_size * length
+    def micro_batch(self) -> MicroBatch:
+        return micro_batch(self.cfg, self.world, context_length(self.cfg), self.longest_prompt)
 
-    def _activations(self) -> tuple[float, float]:
-        """One micro-batch's activations and the LM head's chunk. Under FSDP the whole weights are
-        gathered in the compute dtype (mixed precision), so the residual stream is in it too; in
-        one process autocast leaves it in the weights' dtype."""
-        cfg, shape, gb, a = self.cfg, self.shape, 1 / GIB, self.cfg.actor
-        tokens = self.micro_batch_tokens()
-        lean = self.devices.kind == "cpu" and a.lean_mlp and a.lean_norm
-        stream_bytes = self.compute_bytes if self.world > 1 else self.param_bytes
-        per_token = activation_bytes_per_token(shape, param_bytes=stream_bytes, compute_bytes=self.compute_bytes, lean=lean)
-        if cfg.model.gradient_checkpointing:  # each layer's input kept, one layer's activations at a time
-            activations = tokens * (shape.layers * shape.hidden * stream_bytes + per_token) * gb
-        else:
-            activations = tokens * shape.layers * per_token * gb
-        chunk = min(a.logits_chunk_size or tokens, tokens)
-        head = (chunk * shape.vocab * 4 * 3 + tokens * shape.hidden * stream_bytes * 2) * gb
-        return activations, head
+    def _pass_settings(self) -> PassSettings:
+        """How the update's passes compute: under FSDP the weights are gathered in the compute
+        dtype (mixed precision), so the residual stream is in it too; in one process autocast
+        leaves it in the weights' dtype. A CPU's lean layers and attention patch modules, which
+        FSDP's are not: one process only."""
+        a = self.cfg.actor
+        lean = self.devices.kind == "cpu" and self.world == 1  # a CPU's layer patches: one process only
+        return PassSettings(
+            stream=self.compute_bytes if self.world > 1 else self.param_bytes,
+            compute=self.compute_bytes,
+            checkpointing=bool(self.cfg.model.gradient_checkpointing),
+            lean_layers=lean and a.lean_mlp and a.lean_norm,
+            lean_attention=lean and a.lean_attention,
+            logits_chunk=a.logits_chunk_size,
+        )
 
-    def update(self) -> Phase:
-        cfg, shape, gb, a = self.cfg, self.shape, 1 / GIB, self.cfg.actor
-        compute_bytes, world = self.compute_bytes, self.world
-        update = Phase("update", {"runtime": self.runtime, **self._held()})
-        parts = update.parts
-        if not self.offloaded:
+    def _sharded_parts(self) -> dict[str, float]:
+        """ZeRO-3 (several ranks): the gradients reduce-scattered into shards each micro-batch
+        (or whole between reductions, actor.fsdp_reduce_every), the layers FSDP gathers one at a
+        time (in backward the running one and its gradient with the reduce-scatter's buffer), the
+        root's own weights (embeddings, head, norms) whole through the pass, and the LM head's
+        gradient whole from its backward on."""
+        a, shape, gb, c = self.cfg.actor, self.shape, 1 / GIB, self.compute_bytes
+        reduce_bytes = 4 if a.fsdp_reduce_dtype == "float32" else c
+        parts = {"gradient shard": 0.0 if self.offloaded else self.grads}
+        if getattr(a, "fsdp_reduce_every", 1) != 1:
+            parts["gradients whole (between reductions)"] = shape.trainable * reduce_bytes * gb
+        # the layer whose backward runs, whole, and its gradient with the reduce-scatter's buffer
+        # (in forward: it and the layer prefetched, less)
+        parts["decoder layers gathered (FSDP)"] = shape.layer * (2 * c + reduce_bytes) * gb
+        parts["root weights whole (FSDP)"] = shape.root * c * gb
+        if self._lm_trains():
+            parts["LM head gradient whole"] = shape.vocab * shape.hidden * c * gb
+        return parts
+
+    def _lm_trains(self) -> bool:
+        """Whether the language model's own weights train (not LoRA's adapters, not frozen)."""
+        return self.cfg.model.lora.rank == 0 and not self.cfg.model.freeze_language_model
+
+    def _resident_in_update(self) -> dict[str, float]:
+        """What the update holds besides its passes' activations."""
+        shape, gb, c = self.shape, 1 / GIB, self.compute_bytes
+        parts = {"runtime": self.runtime, **self._held()}
+        if self.world > 1:
+            parts.update(self._sharded_parts())
+        elif not self.offloaded:
             parts["gradients"] = self.grads
-        if world > 1:  # the update's passes run on whole weights, gradients accumulating whole
-            # (parallel.accumulating): FSDP keeps them in its reduce dtype (float32 by default)
-            reduce_bytes = 4 if a.fsdp_reduce_dtype == "float32" else compute_bytes
-            parts["whole weights and gradients (FSDP)"] = (shape.params * compute_bytes + shape.trainable * reduce_bytes) * gb
         if self.reference and not self.parked_reference:
             parts["reference"] = self.reference
         if self.ahead_copy:
             parts["generation copy"] = self.ahead_copy
-        activations, head = self._activations()
-        parts["activations"] = activations
-        parts["LM head chunk"] = head
-        if self.parked_reference:  # on the device for its pass only, before the update's passes begin
-            parts["reference (its pass, beyond the update's own)"] = max(0.0, self.reference - activations - head - self.grads)
-        if world == 1 and compute_bytes < self.param_bytes:  # autocast's casts of the weights, kept for backward
-            parts["weights cast for autocast"] = (shape.linear + shape.head) * compute_bytes * gb
-        if a.shared_prefix and cfg.rollout.n_agent > 1 and micro_batches_per_step(cfg, world) > 1:
-            # a micro-batch after the first: the decoder's weights serve two passes (the prompts'
-            # and the responses'), and autograd holds the responses' weight gradients until the
-            # prompts' backward adds theirs, beside the gradients accumulated so far
-            whole_grad_bytes = compute_bytes if world > 1 else self.param_bytes  # FSDP accumulates whole grads in the compute dtype
-            parts["gradient buffers (prompt pass)"] = min(shape.trainable, shape.layer * shape.layers) * whole_grad_bytes * gb
+        if self.world == 1 and c < self.param_bytes:  # autocast's casts of the weights, kept for backward
+            parts["weights cast for autocast"] = (shape.linear + shape.vocab * shape.hidden) * c * gb
         if self.awake_in_update:
             parts["engine (awake)"] = self.awake_in_update
-        return update
+        if self.asleep_in_update:
+            parts["vLLM asleep (CUDA graphs, buffers)"] = self.asleep_in_update
+        return parts
+
+    def update(self) -> Phase:
+        """The larger of two moments of a pass: its backward's start (every activation held, the
+        top layer's backward running), and, with the shared prefix, the end of the responses'
+        backward, where the decoder's weight gradients of the responses' pass wait in autograd's
+        buffers for the prompts' pass to add its own (one process: from the second micro-batch
+        on, beside the gradients accumulated so far; ZeRO-3: every micro-batch, the gathered
+        gradients being reduced once per layer) next to the prompts' activations."""
+        cfg, shape, gb = self.cfg, self.shape, 1 / GIB
+        mb, settings = self.micro_batch(), self._pass_settings()
+        resident = self._resident_in_update()
+        phases = [Phase("update", {**resident, **activation_parts(shape, mb, settings)})]
+        waits = mb.shared and (self.world > 1 or micro_batches_per_step(cfg, self.world, mb) > 1)
+        if waits:
+            prompts_only = replace(mb, rows=0, bins=0, width=0)
+            boundary = {**resident, **activation_parts(shape, prompts_only, settings, heads=False)}
+            # the decoder's, in the compute dtype (autocast's cached cast of a weight, or FSDP's
+            # gathered bf16 weight, is what both passes use), and the input embeddings' in the
+            # residual stream's (a dense [vocab, hidden] gradient from each pass; in one process
+            # the second is summed into the first in a copy, beside the accumulated .grad)
+            embeddings = shape.vocab * shape.hidden if self._lm_trains() else 0
+            decoder = min(shape.trainable - embeddings, shape.layer * shape.layers)
+            copies = 1 if self.world > 1 else 2
+            waiting = decoder * self.compute_bytes + copies * embeddings * settings.stream
+            boundary["gradients waiting for the prompts' pass"] = waiting * gb
+            phases.append(Phase("update", boundary))
+        if self.parked_reference:  # on the device for its pass only, before the update's passes begin
+            for phase in phases:
+                passes = sum(v for k, v in phase.parts.items() if k not in resident)
+                phase.parts["reference (its pass, beyond the update's own)"] = max(0.0, self.reference - passes)
+        self.update_peak_at = "the backward's start" if phases[0].peak >= phases[-1].peak else "the prompts' backward"
+        return max(phases, key=lambda p: p.peak)
 
     def resolved(self) -> dict[str, str]:
         """The settings the plan assumed, `auto` resolved."""
@@ -362,17 +440,21 @@ class _Sizes:
             resolved["reference"] = "in host memory outside its pass" if self.parked_reference else "on the device"
         if self.parked_optimizer:
             resolved["optimizer state"] = "in host memory outside the update"
-        resolved["tokens per micro-batch"] = str(self.micro_batch_tokens())
+        mb = self.micro_batch()
+        prompt = f"{mb.prompt_len} (the data's longest)" if self.longest_prompt else f"{mb.prompt_len} (the limit)"
+        resolved["micro-batch"] = (
+            f"{mb.rows} rows of {mb.response_len} response tokens on {mb.prompts} prompt(s) of {prompt}: {mb.tokens} tokens"
+        )
+        resolved["update peak at"] = self.update_peak_at
         return resolved
 
 
-def micro_batches_per_step(cfg: Config, world: int) -> int:
+def micro_batches_per_step(cfg: Config, world: int, mb: MicroBatch | None = None) -> int:
     """Micro-batches one rank accumulates before an optimizer step (the most, at full lengths)."""
     a = cfg.actor
-    rows = max(1, (a.mini_batch_size or cfg.data.train_batch_size) // max(world, 1)) * cfg.rollout.n_agent
-    if a.micro_batch_tokens:
-        return -(-rows * context_length(cfg) // a.micro_batch_tokens)
-    return -(-rows // a.micro_batch_size)
+    rows = max(1, -(-(a.mini_batch_size or cfg.data.train_batch_size) // max(world, 1))) * cfg.rollout.n_agent
+    mb = mb or micro_batch(cfg, world, context_length(cfg))
+    return -(-rows // max(mb.rows, 1))
 
 
 def generation_rows(cfg: Config, world: int) -> int:
@@ -398,10 +480,10 @@ def cpu_kv_cache_gb(need_gb: float) -> float:
 
 
 def settle_for_devices(cfg: Config, shape: Shape, devices: Devices) -> Config:
-    """Settings that depend on the devices, made concrete: vLLM's CPU build takes its share of
+    """Settings that depend on the devices, made concrete: vLLM's longest sequence is the run's
+    context length (within the model's positions), and vLLM's CPU build takes its share of
     "GPU" memory from the host, where every rank's engine would take it (two ranks at 0.5 take
-    all of it), so on a CPU its KV cache is what one rollout can fill (cpu_kv_cache_gb) and its
-    longest sequence the run's context length."""
+    all of it), so on a CPU its KV cache is what one rollout can fill (cpu_kv_cache_gb)."""
     from grouprl.rollout.engines import resolve_engine
     from grouprl.trainer.models import wants_checkpointing
 
@@ -418,9 +500,12 @@ def settle_for_devices(cfg: Config, shape: Shape, devices: Devices) -> Config:
     if a.micro_batch_tokens == "auto":
         a = replace(a, micro_batch_tokens=max(AUTO_MICRO_BATCH_TOKENS, context_length(cfg)) if devices.kind == "cuda" else 0)
     cfg = replace(cfg, rollout=r, model=m, actor=a)
+    if r.engine == "vllm" and not r.max_model_len:  # the run's longest sequence, at most the model's
+        longest = min(context_length(cfg), shape.positions) if shape.positions else context_length(cfg)
+        r = replace(r, max_model_len=longest)
+        cfg = replace(cfg, rollout=r)
     if r.engine == "vllm" and devices.kind == "cpu" and not r.kv_cache_gb:
         bf16 = r.dtype == "bfloat16" or (r.dtype == "auto" and _compute_bytes(cfg, devices) == 2)
         need = kv_need_gb(cfg, shape, devices.world, 2 if bf16 else 4)
-        r = replace(r, kv_cache_gb=round(cpu_kv_cache_gb(need), 3), max_model_len=r.max_model_len or context_length(cfg))
-        cfg = replace(cfg, rollout=r)
+        cfg = replace(cfg, rollout=replace(r, kv_cache_gb=round(cpu_kv_cache_gb(need), 3)))
     return cfg
