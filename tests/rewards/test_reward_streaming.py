@@ -126,3 +126,21 @@ def test_covered_is_the_union_cut_at_the_end_of_generation():
     assert _covered(intervals, 3.5) == pytest.approx(2.0 + 0.5)
     assert _covered(intervals, 0.25) == pytest.approx(0.25)
     assert _covered([], 5.0) == 0.0
+
+
+def test_batch_summary_is_exactly_rounded_whatever_the_order():
+    """The means are the exactly rounded ones (math.fsum), so groups summarised as they were
+    streamed or in batch order give the same bits."""
+    import random
+    from fractions import Fraction
+
+    groups = batch(groups=8, n=4)  # 32 rows: dividing the exact sum by 32 rounds nothing more
+    rng = random.Random(0)
+    for t in (t for g in groups for t in g):
+        t.reward, t.rewards = rng.choice([0.1, 0.2, 0.7, 1.0 / 3]), {"judge": rng.random()}
+    flat = [t for g in groups for t in g]
+    want = batch_summary(flat)
+    assert want["reward/mean"] == float(sum(Fraction(t.reward) for t in flat) / len(flat))
+    for _ in range(5):
+        rng.shuffle(groups)
+        assert batch_summary([t for g in groups for t in g]) == want

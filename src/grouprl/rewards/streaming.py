@@ -28,18 +28,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import numpy as np
-
 from grouprl.rewards.composite import CompositeReward
 from grouprl.rollout.trajectory import Trajectory
 
 # metrics that are counts: summed over groups (everything else of a group is a mean over it)
 _COUNT_SUFFIXES = ("/calls", "/requests", "/cache_hits", "/retries", "/failures")
 
-
 def _is_count(key: str) -> bool:
     return key.startswith(("reward/errors", "reward/gated/", "reward/not_applicable/", "reward/dropped")) or key.endswith(_COUNT_SUFFIXES)
-
 
 @dataclass(frozen=True)
 class Finished:
@@ -49,7 +45,6 @@ class Finished:
     reward_s: float  # waited after generation ended
     span_s: float  # first group submitted -> last group scored
     hidden_s: float  # scoring time before generation ended
-
 
 class StreamingRewards:
     """Scores groups in the background: `submit(group)` during generation, then `finish()`; or,
@@ -79,7 +74,6 @@ class StreamingRewards:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
-
 
 class RewardBatch:
     """One batch's groups on a StreamingRewards loop: submit each as it completes, then finish."""
@@ -118,7 +112,6 @@ class RewardBatch:
             hidden_s=_covered(intervals, generation_end),
         )
 
-
 def combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
     """Reward metrics of several parts (groups, ranks) as one, from (weight, metrics) pairs:
     counts summed, the rest means weighted by `weight` (the part's trajectories) where the part
@@ -136,7 +129,6 @@ def combine(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
                 weights[key] += weight
     return {k: v if _is_count(k) else v / weights[k] if weights[k] else math.nan for k, v in totals.items()}
 
-
 def _covered(intervals: list[tuple[float, float]], until: float) -> float:
     """Length of the union of sorted (start, end) intervals, cut at `until`."""
     total, reach = 0.0, -math.inf
@@ -147,17 +139,21 @@ def _covered(intervals: list[tuple[float, float]], until: float) -> float:
         reach = max(reach, end)
     return total
 
-
 def batch_summary(trajectories: list[Trajectory]) -> dict[str, float]:
     """reward/<component>, reward/mean and reward/std (population) over `trajectories`; NaN
-    rewards (a judge that failed under on_failure=drop_group) are left out of the means."""
+    rewards (a judge that failed under on_failure=drop_group) are left out of the means. Sums are
+    exactly rounded (math.fsum), so the figures do not depend on the order the groups came in
+    (streamed as they finish, or in batch order)."""
     if not trajectories:
         return {}
     out = {}
     for name in trajectories[0].rewards:
-        values = [t.rewards[name] for t in trajectories if not math.isnan(t.rewards[name])]
-        out[f"reward/{name}"] = float(np.mean(values)) if values else math.nan
-    rewards = np.array([t.reward for t in trajectories if not math.isnan(t.reward)])
-    out["reward/mean"] = float(rewards.mean()) if rewards.size else math.nan
-    out["reward/std"] = float(rewards.std()) if rewards.size else math.nan
+        out[f"reward/{name}"] = _mean([t.rewards[name] for t in trajectories if not math.isnan(t.rewards[name])])
+    rewards = [t.reward for t in trajectories if not math.isnan(t.reward)]
+    mean = _mean(rewards)
+    out["reward/mean"] = mean
+    out["reward/std"] = math.sqrt(_mean([(r - mean) ** 2 for r in rewards])) if rewards else math.nan
     return out
+
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values) if values else math.nan
