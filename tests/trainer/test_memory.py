@@ -113,9 +113,9 @@ def plan_for(*overrides, devices=EIGHT_GPUS, shape=SHAPE):
 
 def test_the_parts_worked_out_by_hand():
     """1e9 float32 parameters on 8 GPUs (bf16 compute): each holds an eighth of the weights (0.5 GB),
-    of AdamW's two moments (1 GB) and of the gradients; the update gathers every weight whole in
-    bf16 and accumulates whole gradients in FSDP's reduce dtype, float32 (6 GB); generation gives
-    vLLM its share of the device."""
+    of AdamW's two moments (1 GB) and of the gradients; the update (ZeRO-3) holds the root's own
+    weights (100M: embeddings, head) and two 30M layers whole in bf16, with their gradients in
+    FSDP's reduce dtype, float32 (0.96 GB); generation gives vLLM its share of the device."""
     plan = plan_for(
         "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.4", "data.train_batch_size=16",
         "rollout.n_agent=4", "actor.micro_batch_size=8", "data.max_prompt_length=100",
@@ -132,16 +132,16 @@ def test_the_parts_worked_out_by_hand():
     checkpointed = tokens * (30 * 2048 * 2 + per_token)  # each layer's input, one layer's activations
     assert update == pytest.approx({
         "runtime": 1.0, "policy": 4 * g / 8, "optimizer state": 8 * g / 8, "gradients": 4 * g / 8,
-        "whole weights and gradients (FSDP)": 2 * g + 4 * g,
+        "root and two layers whole (FSDP)": 0.16 * (2 + 4) * g,
         "activations": checkpointed / GIB,
         "LM head chunk": (256 * 100_000 * 4 * 3 + tokens * 2048 * 2 * 2) / GIB,
     })  # fmt: skip
     # vLLM sleeps through the update (level 2), and 16 prompts x 4 over 8 ranks is one micro-batch
     assert plan.fits and plan.worst.name == "generation"
-    # start-up: each GPU makes its shard, filled from rank 0's host copy a tensor at a time (the
-    # largest: the 100,000 x 2048 embedding); one GPU alone loads the whole model
+    # start-up: each GPU reads its shard's slices, a slice at a time through a buffer (the
+    # largest: an eighth of the 100,000 x 2048 embedding); one GPU alone loads the whole model
     assert plan.phase("startup").parts == pytest.approx(
-        {"runtime": 1.0, "policy shard": 4 * g / 8, "one tensor whole (while filled)": 100_000 * 2048 * 4 / GIB}
+        {"runtime": 1.0, "policy shard": 4 * g / 8, "one slice in transit": 100_000 * 2048 * 4 / GIB / 8}
     )
     alone = plan_for(devices=Devices("cuda", 1, 1, 80.0)).phase("startup").parts
     assert alone == pytest.approx({"runtime": 1.0, "policy": 4 * g})

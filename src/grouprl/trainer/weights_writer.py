@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
+from grouprl.trainer.slices import SAFETENSORS_DTYPES
+
+DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 MAX_FILE_BYTES = 5 * 1024**3  # as save_pretrained shards: files of at most this many bytes
-DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}  # fmt: skip
+
 
 
 class SafetensorsStream:

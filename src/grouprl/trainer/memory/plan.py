@@ -246,15 +246,11 @@ class _Sizes:
         startup = Phase("startup", {"runtime": self.runtime})
         parts = startup.parts
         if self.world > 1:
-            # sharded loading: rank 0 reads the weights into host memory, every rank makes its shards
-            # on its device and fills them from rank 0's, one whole tensor at a time
+            # sharded loading: each rank reads its shards' slices of the files (trainer/slices.py),
+            # a slice at a time through a buffer when converted or bound for a device
             parts["policy shard (offloaded to host)" if self.offloaded else "policy shard"] = self.weights_here
             largest = max(shape.vocab, shape.intermediate) * shape.hidden * param_bytes * gb
-            parts["one tensor whole (while filled)"] = largest
-            if on_cpu:  # the host is the device: rank 0's whole copy counts
-                parts["rank 0's whole copy (host)"] = shape.params * param_bytes * gb
-                if shape.file_bytes != param_bytes:  # and the file it converts, mapped while read
-                    parts["checkpoint file (mapped while converted)"] = shape.params * shape.file_bytes * gb
+            parts["one slice in transit"] = largest / self.shards
             if self.reference:
                 parts["reference shard"] = self.reference
         else:
@@ -320,10 +316,12 @@ class _Sizes:
         parts = update.parts
         if not self.offloaded:
             parts["gradients"] = self.grads
-        if world > 1:  # the update's passes run on whole weights, gradients accumulating whole
-            # (parallel.accumulating): FSDP keeps them in its reduce dtype (float32 by default)
+        if world > 1:  # ZeRO-3 (trainer/lockstep.py): the root's own weights (embeddings, head) and a
+            # layer or two whole at a time (the running one, the one fetched ahead), with their
+            # gradients before the reduce-scatter, in FSDP's reduce dtype (float32 by default)
             reduce_bytes = 4 if a.fsdp_reduce_dtype == "float32" else compute_bytes
-            parts["whole weights and gradients (FSDP)"] = (shape.params * compute_bytes + shape.trainable * reduce_bytes) * gb
+            whole = shape.params - shape.layers * shape.layer + 2 * shape.layer
+            parts["root and two layers whole (FSDP)"] = whole * (compute_bytes + reduce_bytes) * gb
         if self.reference and not self.parked_reference:
             parts["reference"] = self.reference
         if self.ahead_copy:
@@ -335,7 +333,7 @@ class _Sizes:
             parts["reference (its pass, beyond the update's own)"] = max(0.0, self.reference - activations - head - self.grads)
         if world == 1 and compute_bytes < self.param_bytes:  # autocast's casts of the weights, kept for backward
             parts["weights cast for autocast"] = (shape.linear + shape.head) * compute_bytes * gb
-        if a.shared_prefix and cfg.rollout.n_agent > 1 and micro_batches_per_step(cfg, world) > 1:
+        if world == 1 and a.shared_prefix and cfg.rollout.n_agent > 1 and micro_batches_per_step(cfg, world) > 1:
             # a micro-batch after the first: the decoder's weights serve two passes (the prompts'
             # and the responses'), and autograd holds the responses' weight gradients until the
             # prompts' backward adds theirs, beside the gradients accumulated so far
