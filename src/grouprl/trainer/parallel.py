@@ -412,7 +412,9 @@ def state_gb(model: torch.nn.Module, optimizer) -> float:
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel() and local.data_ptr() not in seen:
-            seen.add(local.data_ptr())
+        # a tensor parked in host memory (offload.py) has no storage here but still counts
+        key = local.data_ptr() if local.untyped_storage().nbytes() else id(local)
+        if local.numel() and key not in seen:
+            seen.add(key)
             total += local.numel() * local.element_size()
     return total / 1024**3

@@ -50,7 +50,7 @@ from grouprl.trainer.models import (
     resolve_rollout_dtype,
     shape_stable_attention,
 )
-from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, wanted
+from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, parks_beside, wanted
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, load_into, shard
 from grouprl.trainer.pipeline import trainable_names
@@ -535,9 +535,11 @@ def build(cfg: Config) -> Parts:
     optimizer = build_optimizer(params, a.optim)
     scheduler = build_scheduler(optimizer, a.optim, total_steps * mini_batches * a.ppo_epochs)
     # what lives in host memory between its uses (actor.reference_offload / optimizer_offload)
-    reference_parked = ParkedModule(models.ref_model, device, enabled=wanted(a.reference_offload, device))
+    # nothing to park under FSDP's own offload: the shards and AdamW's state live in host memory
+    beside = parks_beside(a.fsdp_offload, ranks.distributed, device)
+    reference_parked = ParkedModule(models.ref_model, device, enabled=wanted(a.reference_offload, device) and beside)
     reference_parked.out()
-    optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload))
+    optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload) and beside)
     optimizer_parked.out()  # (no state before the first step)
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
     engine, agent, ahead = make_engines(cfg, models, device, precision, ranks, report)
