@@ -69,6 +69,7 @@ class Ranks:
     # what reduce, gather and barrier go over: None, the default group (it serves CPU tensors),
     # or a gloo group of the same ranks beside a default group that does not
     group: Any = field(default=None, compare=False, repr=False)
+    local_world: int = 1  # the ranks on this node
 
     @property
     def main(self) -> bool:
@@ -92,7 +93,8 @@ class Ranks:
         # every rank gets here, as new_group (a collective) wants
         group = None if serves_cpu() else dist.new_group(backend="gloo")
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        return cls(dist.get_rank(), dist.get_world_size(), local, owns, group)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(), local, owns, group, per_node)
 
     def close(self) -> None:
         """Leave the process group once every rank is done (a group left to the interpreter's
@@ -109,7 +111,7 @@ class Ranks:
         asynchronous rollout's, beside the update's) gathers and reduces over it."""
         if not self.distributed:
             return self
-        return Ranks(self.rank, self.world, self.local_rank, False, dist.new_group(backend="gloo"))
+        return Ranks(self.rank, self.world, self.local_rank, False, dist.new_group(backend="gloo"), self.local_world)
 
     def share(self, num: int, what: str = "data.train_batch_size", block: int = 0) -> list[int]:
         """This rank's items (groups) of `num`: of every `block` of them (a mini-batch), its

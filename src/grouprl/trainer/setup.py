@@ -22,7 +22,7 @@ import torch
 from grouprl.config import Config
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
-from grouprl.devices import own_device
+from grouprl.devices import host_share, own_device
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
 from grouprl.rewards.streaming import StreamingRewards
@@ -480,7 +480,12 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
     return engine, agent, ahead
 
 
-def make_updater(cfg: Config, pad_token_id: int, precision: Precision, rollout_is: str, family, ranks: Ranks) -> PolicyUpdater:
+def make_updater(
+    cfg: Config, pad_token_id: int, precision: Precision, rollout_is: str, family, ranks: Ranks, device: torch.device
+) -> PolicyUpdater:
+    # FSDP's offload: the optimizer steps the shards in host memory, with this rank's share of
+    # the node's cores (torchrun's ranks run one thread: right for the GPU, not for AdamW on a CPU)
+    host_step = not parks_beside(cfg.actor.fsdp_offload, ranks.distributed, device)
     return PolicyUpdater(
         cfg.actor,
         temperature=cfg.rollout.temperature,
@@ -494,6 +499,7 @@ def make_updater(cfg: Config, pad_token_id: int, precision: Precision, rollout_i
         norm_length=norm_length(cfg),
         vision=family,
         ranks=ranks,
+        step_threads=host_share(ranks.local_world) if host_step else None,
     )
 
 
@@ -553,6 +559,6 @@ def build(cfg: Config) -> Parts:
         total_steps=total_steps, ref_model=models.ref_model, policy=models.policy, params=params,
         optimizer=optimizer, scheduler=scheduler, engine=engine, agent=agent, single_turn=SingleTurn(engine),
         streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
-        updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks),
+        updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks, device),
         reference_parked=reference_parked, optimizer_parked=optimizer_parked, ahead=ahead,
     )  # fmt: skip

@@ -20,6 +20,7 @@ import torch
 from grouprl import cpu
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_correction
 from grouprl.config import ActorConfig
+from grouprl.devices import host_threads
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer import lockstep
 from grouprl.trainer.head_stats import head_grad_into_param
@@ -158,13 +159,16 @@ class PolicyUpdater:
         norm_length: float | None = None,
         vision=None,
         ranks: Ranks | None = None,
+        step_threads: int | None = None,
     ):
         """`rollout_is` ("off" | "token" | "sequence" | "geometric"): importance weights of an
         engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs multiply
         each token's policy-gradient loss: capped at `rollout_is_cap` (`rollout_is_mode`
         "truncate"), or (mode "mask") tokens or sequences whose ratio leaves
         [`rollout_is_lower` (None: 1 / cap), `rollout_is_cap`] leave the loss (`reject`, before
-        the update). `norm_length`: seq-mean-token-sum-norm's constant divisor."""
+        the update). `norm_length`: seq-mean-token-sum-norm's constant divisor. `step_threads`:
+        the CPU threads the gradient clip and optimizer step run with (FSDP's offload: they run on
+        host shards; None: the process's)."""
         if cfg.micro_batch_tokens == "auto":  # a run settles it for its device (memory.settle_for_devices)
             cfg = dataclasses.replace(cfg, micro_batch_tokens=0)  # an updater on its own counts rows
         self.cfg = cfg
@@ -179,6 +183,7 @@ class PolicyUpdater:
         self.skip_nonfinite = skip_nonfinite
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
+        self.step_threads = step_threads
 
     def log_probs(
         self,
@@ -367,10 +372,12 @@ class PolicyUpdater:
                 for mini in split(list(range(n_rows)), rows_per_mini):
                     optimizer.zero_grad(set_to_none=True)
                     micro_metrics = self._gradients(model, tensors, mini, before_backward, recorded)
-                    grad_norm = self._clip(params)
-                    finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                    with host_threads(self.step_threads):
+                        grad_norm = self._clip(params)
+                        finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                        if finite or not self.skip_nonfinite:
+                            optimizer.step()
                     if finite or not self.skip_nonfinite:
-                        optimizer.step()
                         scheduler.step()
                     else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
                         log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
