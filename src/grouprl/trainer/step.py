@@ -128,7 +128,10 @@ class Collector:
         generator = RowStreams(stream_seed, [g * n + j for g in groups for j in range(n)])
         images = self.p.encoder.images_of(samples)
         with_images = {"images": images} if images is not None else {}
-        with policy_for_generation(self.p.engine, self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
+        # autocast only where the engine computes here, with the trainer's model (an engine with a
+        # copy of its own, vLLM or an engine process, computes in the dtype it was made with)
+        in_here = self.p.rollout_dtype if self.p.engine.reads_trainer_weights else None
+        with policy_for_generation(self.p.engine, self.p.policy), autocast(self.p.device, in_here):
             try:
                 return self.runner.run(
                     samples,
