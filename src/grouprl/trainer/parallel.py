@@ -202,7 +202,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or [])
     modules = dict(model.named_modules())
-    found = [n for n, m in modules.items() if type(m).__name__ in names]
+    # (FSDP renames a class it wraps FSDP<name>: the layers of a sharded model are found too)
+    found = [n for n, m in modules.items() if type(m).__name__.removeprefix("FSDP") in names]
     lists = [(n, m) for n, m in modules.items() if isinstance(m, torch.nn.ModuleList)]
     entries = {f"{n}.{i}" for n, m in lists for i in range(len(m))}
     blocks: list[str] = []
