@@ -417,9 +417,9 @@ class Learner:
         ranks). `batch.trajectories` get their advantages."""
         p = self.p
         t_start = time.perf_counter()
-        # generation's leftovers go back first (several ranks: the weights it gathered whole, which
-        # a CPU's malloc heap would keep resident into the update)
-        if p.device.type != "cpu" or self.cfg.actor.update_malloc_trim:
+        # several ranks on a CPU: what generation gathered whole goes back first (the malloc heap
+        # would keep it resident into the update); on CUDA the push releases the allocator's cache
+        if p.device.type == "cpu" and p.ranks.distributed and self.cfg.actor.update_malloc_trim:
             release_cached_memory(p.device)
         p.meter.start()  # the update phase's peak (perf/peak_gb/update)
         tensors, rewards, kl_seq = self.step_tensors(batch)
