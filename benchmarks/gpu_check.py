@@ -30,6 +30,14 @@ async = async,asyncproc,asyncsplit,asyncservice; all):
   127.0.0.1 (`rollout.engine_address`; requests over TCP as from another machine): on cuda:1
   with 2+ GPUs (weights over NCCL), else on cuda:0 beside the trainer (gloo).
 - vlm: configs/vlm.yaml on the embedded VLM (`builtin:smolvlm-smollm2-135m`), 2 steps.
+- zero3, offloadstart, export (`--rows shard`): Qwen2.5-1.5B's architecture with random bf16
+  weights (benchmarks/scale.py; hidden 64 and 2 layers with `--device cpu`), torchrun over every
+  visible GPU (one process on one GPU: NCCL takes a device once, so sharding needs two):
+  zero3 trains 2 steps with AdamW on the device, each phase's planned peak against the measured
+  one (`perf/peak_gb/<phase>`, the largest rank's); offloadstart starts with
+  `actor.fsdp_offload=true` (each rank reads its slices into pinned host memory) and trains a
+  step (2+ GPUs); export trains a step and writes `final/` (rank 0 alone, a layer at a time):
+  its dtype and size. One lease: `python benchmarks/gpu_check.py --rows shard --timeout 240`.
 
 A row that fails (an error, out of memory, its time limit) is recorded with its one-line reason and
 the matrix goes on; each row's output is in `<work>/<row>.log`. Where nvidia-smi exists, the
@@ -85,8 +93,13 @@ class Row:
     service: bool = False  # a `grouprl engine serve` started for the row, its address set
     scale: str = ""  # a benchmarks/scale.py run on this model (architectures.py) instead of a recipe
     scale_args: tuple[str, ...] = ()  # its own flags
+    random_model: str = ""  # a scale.py architecture, random weights, trained by the recipe instead
+    every_gpu: bool = False  # torchrun over every visible GPU (one process on one GPU)
 
 
+# the shard rows' run: whole batches at their limits, no offload of AdamW or the reference
+SHARD_RUN = ["rollout.ignore_eos=true", "rollout.max_response_length=256", "data.train_batch_size=8",
+             "actor.optimizer_offload=false", "actor.reference_offload=false"]  # fmt: skip
 ROWS = [
     Row("bf16", "default recipe, actor.dtype=auto (bf16 on CUDA)", ["rollout.check_log_probs=true"], 5),
     Row(
@@ -164,12 +177,20 @@ ROWS = [
         scale="qwen2.5-7b", scale_args=("--batch", "4", "--prompt-len", "256", "--response-len", "256", "--checkpointing")),  # fmt: skip
     Row("scaletrl", "scale.py: Qwen2.5-1.5B against TRL's GRPOTrainer (no vLLM), alternating", [], 3,
         needs=("trl",), scale="qwen2.5-1.5b", scale_args=("--with-trl", "--rounds", "2")),  # fmt: skip
+    Row("zero3", "Qwen2.5-1.5B random, bf16, ZeRO-3 over every GPU, AdamW on the device: plan vs measured",
+        SHARD_RUN, 2, random_model="qwen2.5-1.5b", every_gpu=True),  # fmt: skip
+    Row("offloadstart", "the same with actor.fsdp_offload=true: start-up (slices into pinned host memory), a step",
+        [*SHARD_RUN, "actor.fsdp_offload=true"], 1, needs=("cuda", "2 gpus"), random_model="qwen2.5-1.5b",
+        every_gpu=True),  # fmt: skip
+    Row("export", "the same, one step, then final/ written by rank 0 a layer at a time", [*SHARD_RUN, "trainer.save_final=true"],
+        1, random_model="qwen2.5-1.5b", every_gpu=True),  # fmt: skip
 ]
 GROUPS = {
     "default": ["bf16", "fp32"],
     "vllm": ["vllm0", "vllm1", "vllm2"],
     "async": ["async", "asyncproc", "asyncsplit", "asyncservice"],
     "scales": ["scale", "scale7b", "scaletrl"],
+    "shard": ["zero3", "offloadstart", "export"],
     "offload": ["kl", "klparked"],
     "quick": ["bf16", "async", "asyncproc", "scale"],  # --quick: what a 15-minute lease must show
     "all": [r.name for r in ROWS],
@@ -435,7 +456,8 @@ def section(
     ]
     for r in results:
         config = f"{r.row.config} " if r.row.config else ""
-        launch = f"torchrun --nproc-per-node {ranks} -m grouprl train" if r.row.ranks else "grouprl train"
+        every = r.row.ranks or r.row.every_gpu
+        launch = f"torchrun --nproc-per-node {ranks} -m grouprl train" if every else "grouprl train"
         own = r.own or r.row.overrides
         lines.append(f"- {r.row.name} ({r.steps} steps): `{launch} {config}{' '.join(own)}`")
     return "\n".join(lines) + "\n"
@@ -665,7 +687,8 @@ def _run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus:
     reason = None
     with GpuMemory() as gpu:
         if not row.ranks:
-            code, output, limit, metrics, rollouts, command = train(row, row.name, overrides, work, timeout)
+            ranks = max(n_gpus, 1) if row.every_gpu else 1
+            code, output, limit, metrics, rollouts, command = train(row, row.name, overrides, work, timeout, ranks)
             result.commands.append(command)
         else:
             code, output, limit, metrics, rollouts, command = train(
@@ -699,7 +722,37 @@ def _run_row(row: Row, overrides: list[str], work: Path, timeout: float, n_gpus:
     planned = plan_vs_measured(work / name / "memory_plan.json", metrics)
     if planned:
         result.details.append(planned)
+    if row.every_gpu:
+        result.details.insert(0, f"{max(n_gpus, 1)} rank(s)")
+    exported = export_line(work / name / "final")
+    if exported:
+        result.details.append(exported)
     return result
+
+
+def export_line(folder: Path) -> str:
+    """'final/: bfloat16, 3.09 GB in 2 files' from an exported folder's safetensors headers."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return ""
+    dtypes, size = set(), 0
+    for path in files:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        size += path.stat().st_size
+    return f"final/: {'/'.join(sorted(dtypes))}, {size / 1e9:.2f} GB in {len(files)} file(s)"
+
+
+def random_model(work: Path, name: str, device: str) -> list[str]:
+    """A row's `random_model`: written once in `work` (benchmarks/scale.py; its toy shapes on a
+    CPU), and the overrides that make the recipe train it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    folder = scale.write_model(name, work / f"{name}-random", toy=device == "cpu", characters=True)
+    return [f"model.path={folder}", f"model.tokenizer_path={folder / 'tokenizer'}", "data.few_shot=false",
+            "data.max_prompt_length=384"]  # fmt: skip
 
 
 def plan_vs_measured(plan_path: Path, metrics: list[dict]) -> str:
@@ -806,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         own = [*row.overrides, *per_row.get(row.name, [])]
         if row.ranks:  # whole groups per rank: the recipe's 4 prompts rounded up to a multiple
             own.insert(len(row.overrides), f"data.train_batch_size={ranks_batch(max(n_gpus, 1))}")
-        if policy and not row.config and not row.scale:
+        if policy and not row.config and not row.scale and not row.random_model:
             own = [*policy, *own]
         why = skip_reason(row, args.device, n_gpus, imports)
         left = QUICK_BUDGET_S - (time.perf_counter() - began) if args.quick else args.timeout
@@ -818,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
             result = Result(row, "skipped", why)
         else:
             started = time.perf_counter()
+            if row.random_model:
+                own = [*random_model(work, row.random_model, args.device), *own]
             overrides = [*common_overrides(steps, args.device), *every, *own]
             result = run_row(row, overrides, work, min(args.timeout, left), n_gpus, args.device, steps)
             result.notes.append(f"{time.perf_counter() - started:.0f} s in all")

@@ -133,6 +133,22 @@ def test_skip_reasons():
         "vllm does not import (ModuleNotFoundError: No module named 'vllm')"
     )
     assert skip(rows["lora4bit"], "cuda", 1, {"bitsandbytes": None}) is None
+    assert [r.name for r in gpu_check.select_rows("shard")] == ["zero3", "offloadstart", "export"]
+    assert skip(rows["zero3"], "cuda", 1, {}) is None and skip(rows["export"], "cpu", 0, {}) is None
+    assert skip(rows["offloadstart"], "cuda", 1, {}) == "needs 2 or more GPUs (1 visible)"
+
+
+def test_export_line_reads_the_folders_safetensors_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2, 3, dtype=torch.bfloat16)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "model-2.safetensors"))
+    size = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert gpu_check.export_line(tmp_path) == f"final/: BF16, {size / 1e9:.2f} GB in 2 file(s)"
+    save_file({"c": torch.zeros(1)}, str(tmp_path / "model-3.safetensors"))
+    assert gpu_check.export_line(tmp_path).startswith("final/: BF16/F32, ")
+    assert gpu_check.export_line(tmp_path / "nothing") == ""
 
 
 def test_the_section_goes_inside_the_gpu_check_section():

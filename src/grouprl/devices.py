@@ -13,6 +13,9 @@ On a CPU the same role falls to malloc's heap, which keeps freed activation memo
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from grouprl.cpu.allocator import release_free_memory
@@ -57,3 +60,29 @@ def own_device(device: torch.device | str, environ=None) -> torch.device:
     physical = visible[device.index] if visible else str(device.index)
     environ["CUDA_VISIBLE_DEVICES"] = physical
     return torch.device("cuda", 0)
+
+
+def host_share(ranks_per_node: int) -> int:
+    """The CPU cores one of `ranks_per_node` ranks may use: those this process may run on (its
+    affinity), split evenly; at least one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, ranks_per_node))
+
+
+@contextlib.contextmanager
+def host_threads(threads: int | None):
+    """torch's intra-op threads set to `threads` inside the block, as they were after (None:
+    left as they are). Ranks under torchrun run one thread each (OMP_NUM_THREADS=1), right for
+    a GPU's work but not for host work such as the optimizer step on offloaded shards."""
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -154,18 +154,24 @@ def test_zero3_holds_an_eighth_of_the_state_a_layer_and_the_root_whole():
 
 
 def test_gradients_waiting_for_the_prompts_pass_are_the_decoders_and_embeddings():
-    """ZeRO-3 with the shared prefix: every micro-batch's responses' weight gradients wait for
-    the prompts' pass in bf16 (FSDP's gathered weights), the decoder's (30 x 30M, within the 1e9
-    trained less the embeddings) and the input embeddings' (a dense 100,000 x 2048)."""
-    plan = plan_memory(cfg_of("rollout.engine=vllm"), BIG, EIGHT_GPUS)
+    """One process with the shared prefix and several micro-batches: the responses' weight
+    gradients wait for the prompts' pass, the decoder's in bf16 (autocast's cast weights, 30 x
+    30M, within the 1e9 trained less the embeddings) and the input embeddings' twice (a dense
+    100,000 x 2048 from each pass, the second summed into the first in a copy) in the weights'
+    float32. ZeRO-3 runs a micro-batch's prompts as their own pass first, their gradients
+    reduced by their own backward: nothing waits there."""
+    one_gpu = Devices("cuda", 1, 1, 80.0)
+    plan = plan_memory(cfg_of("rollout.engine=vllm", "actor.micro_batch_size=2"), BIG, one_gpu)
     update = plan.phase("update").parts
-    assert plan.resolved["update peak at"] == "the prompts' backward"
     embeddings = 100_000 * 2048
     decoder = min(1e9 - embeddings, 30 * 30e6)
-    assert update["gradients waiting for the prompts' pass"] == pytest.approx((decoder * 2 + embeddings * 2) / GIB)
-    unshared = plan_memory(cfg_of("rollout.engine=vllm", "actor.shared_prefix=false"), BIG, EIGHT_GPUS)
+    assert update["gradients waiting for the prompts' pass"] == pytest.approx((decoder * 2 + 2 * embeddings * 4) / GIB)
+    assert plan.resolved["update peak at"] == "the prompts' backward"
+    sharded = plan_memory(cfg_of("rollout.engine=vllm"), BIG, EIGHT_GPUS)
+    assert "gradients waiting for the prompts' pass" not in sharded.phase("update").parts
+    assert sharded.resolved["update peak at"] == "the backward's start"
+    unshared = plan_memory(cfg_of("rollout.engine=vllm", "actor.shared_prefix=false", "actor.micro_batch_size=2"), BIG, one_gpu)
     assert "gradients waiting for the prompts' pass" not in unshared.phase("update").parts
-    assert unshared.resolved["update peak at"] == "the backward's start"
 
 
 # ------------------------------------------------------------------------- sums, budgets, unknowns

@@ -1,11 +1,11 @@
 """actor.reference_offload / actor.optimizer_offload: the reference's weights and AdamW's state in
 host memory between their uses (trainer/offload.py).
 
-On this CPU the host is the device, so the moves are seen through fakes: tensors on the meta
-device stand for an accelerator's (what moves, what stays, that every tensor comes back), and a
-recording `move` that copies (so a tensor that is not put back where it belongs is lost) shows
-where each lives during a real run's generation, reference pass and update, and that the run's
-numbers are the ones without offload."""
+A tensor parks by its storage: its bytes go to a host buffer made once, its storage shrinks to
+nothing, and coming back it is the same tensor object with the same bytes. On this CPU the host
+is the device and nothing moves; the tests let it move (`offload.parks`), so a real run's
+generation, reference pass and update see where each lives, and the run's numbers are the ones
+without offload."""
 
 from __future__ import annotations
 
@@ -18,63 +18,80 @@ from tiny import LOWER_FRACTION, tiny_model_dir, write_run_config
 
 from grouprl.config import load_config
 from grouprl.trainer import offload
-from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, wanted
+from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, parks_beside, wanted
 from grouprl.trainer.trainer import Trainer
 
-META = torch.device("meta")
+CPU = torch.device("cpu")
 
 
-def empty_move(t: torch.Tensor, device) -> torch.Tensor:
-    """A move between the meta device (standing for an accelerator) and the host: the shape and
-    dtype arrive (a meta tensor has no values to copy)."""
-    return torch.empty(t.shape, dtype=t.dtype, device=device)
+@pytest.fixture
+def moving(monkeypatch):
+    """Parking moves on this CPU as it would on an accelerator."""
+    monkeypatch.setattr(offload, "parks", lambda device: True)
 
 
-def test_the_optimizer_state_on_the_device_moves_out_and_back_and_the_step_counter_stays(monkeypatch):
-    monkeypatch.setattr(offload, "move", empty_move)
-    p = torch.nn.Parameter(torch.empty(3, 2, device=META))
+def held(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def test_the_optimizer_state_parks_and_comes_back_and_the_step_counter_stays(moving):
+    p = torch.nn.Parameter(torch.zeros(3, 2))
     optimizer = torch.optim.AdamW([p])
-    step = torch.tensor(4.0)  # torch keeps Adam's counter in host memory (not fused or capturable)
-    optimizer.state[p] = {"step": step, "exp_avg": torch.empty(3, 2, device=META), "exp_avg_sq": torch.empty(3, 2, device=META)}
-    parked = ParkedOptimizer(optimizer, META, enabled=True)
-
-    def where():
-        return {k: v.device.type for k, v in optimizer.state[p].items()}
+    step = torch.tensor(4.0, device="meta")  # stands for torch's counter, kept where it is (another device)
+    exp_avg, exp_avg_sq = torch.randn(3, 2), torch.rand(3, 2)
+    want = exp_avg.clone(), exp_avg_sq.clone()
+    optimizer.state[p] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    parked = ParkedOptimizer(optimizer, CPU, enabled=True)
 
     parked.out()
-    assert where() == {"step": "cpu", "exp_avg": "cpu", "exp_avg_sq": "cpu"} and parked.where == "host"
-    assert optimizer.state[p]["step"] is step
-    assert optimizer.state[p]["exp_avg"].shape == (3, 2)
+    assert parked.where == "host" and held(exp_avg) == held(exp_avg_sq) == 0  # their storage given back
+    assert optimizer.state[p]["step"] is step and optimizer.state[p]["exp_avg"] is exp_avg
+    buffers = dict(parked._host)
     parked.out()  # twice: nothing more moves
     with parked.present():
-        assert where() == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
-    assert where() == {"step": "cpu", "exp_avg": "cpu", "exp_avg_sq": "cpu"}
+        assert torch.equal(exp_avg, want[0]) and torch.equal(exp_avg_sq, want[1])  # the same tensors, the same bytes
+        exp_avg.add_(1.0)  # the update changes them in place
+    assert held(exp_avg) == 0
     with pytest.raises(RuntimeError), parked.present():  # an error inside still puts it back out
         raise RuntimeError("step failed")
-    assert where()["exp_avg"] == "cpu"
+    assert held(exp_avg) == 0
     parked.back()
-    assert where() == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+    assert torch.equal(exp_avg, want[0] + 1.0)
+    assert all(parked._host[k] is b for k, b in buffers.items()) and len(buffers) == 2  # made once
 
-    off = ParkedOptimizer(optimizer, META, enabled=False)
+    off = ParkedOptimizer(optimizer, CPU, enabled=False)
     off.out()
-    assert where()["exp_avg"] == "meta" and off.where == "device"
+    assert held(exp_avg) > 0 and off.where == "device"
 
 
-def test_a_parked_module_moves_every_parameter_and_buffer(monkeypatch):
-    monkeypatch.setattr(offload, "move", empty_move)
-    module = torch.nn.Sequential(torch.nn.Linear(4, 3, device=META), torch.nn.BatchNorm1d(3, device=META))
-    parked = ParkedModule(module, META, enabled=True)
-    tensors = lambda: {t.device.type for t in [*module.parameters(), *module.buffers()]}  # noqa: E731
+def test_a_parked_module_parks_every_parameter_and_buffer_once(moving):
+    module = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    module[1].weight = module[0].weight  # tied: one storage under two names
+    module[2].running_mean.normal_()
+    want = {n: t.clone() for n, t in module.state_dict().items()}
+    parked = ParkedModule(module, CPU, enabled=True)
     parked.out()
-    assert tensors() == {"cpu"}
+    assert all(held(t) == 0 for t in [*module.parameters(), *module.buffers()])
+    assert len(parked._host) == len(list(module.parameters())) + len(list(module.buffers()))  # the tie once
     with parked.present():
-        assert tensors() == {"meta"}
-    assert tensors() == {"cpu"}
-    assert isinstance(module[0].weight, torch.nn.Parameter)  # still registered as parameters
+        got = module.state_dict()
+        assert all(torch.equal(got[n], w) for n, w in want.items())
+    assert isinstance(module[0].weight, torch.nn.Parameter) and module[1].weight is module[0].weight
 
-    lora = ParkedModule("adapters-disabled", META, enabled=True)  # LoRA's reference: nothing of its own
+    lora = ParkedModule("adapters-disabled", CPU, enabled=True)  # LoRA's reference: nothing of its own
     lora.out()
     assert not lora.enabled and lora.where == "device"
+
+
+def test_on_a_cpu_nothing_moves_and_fsdps_own_offload_leaves_nothing_to_park():
+    t = torch.ones(4)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+    optimizer.state[optimizer.param_groups[0]["params"][0]] = {"exp_avg": t}
+    parked = ParkedOptimizer(optimizer, CPU, enabled=True)
+    parked.out()
+    assert held(t) == 16 and parked.where == "device"
+    assert not parks_beside(True, True, torch.device("cuda", 0))  # the shards and state in host memory already
+    assert parks_beside(True, False, torch.device("cuda", 0)) and parks_beside(False, True, torch.device("cuda", 0))
 
 
 def test_auto_offloads_the_reference_on_cuda_only():
@@ -102,17 +119,12 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     assert not plain.parts.reference_parked.enabled  # auto on a CPU is off too
     plain.fit()
 
-    moved: list[tuple[int, str]] = []
-
-    def copying_move(t, device):  # a fresh copy each time: a tensor not put back is lost
-        moved.append((t.numel(), torch.device(device).type))
-        return t.detach().clone().requires_grad_(t.requires_grad)
-
-    monkeypatch.setattr(offload, "move", copying_move)
+    monkeypatch.setattr(offload, "parks", lambda device: True)
     seen: list[tuple[str, str, str]] = []
     trainer = run(tmp_path / "parked", model_dir, "actor.reference_offload=true", "actor.optimizer_offload=true")
     parts = trainer.parts
-    assert parts.reference_parked.where == "host" and moved  # out from the start
+    ref_tensors = [*trainer.ref_model.parameters(), *trainer.ref_model.buffers()]
+    assert parts.reference_parked.where == "host" and all(held(t) == 0 for t in ref_tensors)  # out from the start
 
     generate, score_all, step = HFEngine.generate, PolicyUpdater.score_all, trainer.optimizer.step
 
@@ -135,6 +147,7 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     monkeypatch.setattr(HFEngine, "generate", watched_generate)
     monkeypatch.setattr(PolicyUpdater, "score_all", watched_score_all)
     monkeypatch.setattr(trainer.optimizer, "step", watched_step)
+    host_buffers = dict(parts.reference_parked._host)
     trainer.fit()
 
     kinds = {what for what, *_ in seen}
@@ -147,10 +160,10 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
         elif what == "optimizer step":
             assert (reference, optimizer) == ("host", "device"), what
     assert parts.reference_parked.where == "host" and parts.optimizer_parked.where == "host"
-    # the reference came in and went out once a step, the optimizer state likewise (and both for
-    # the final checkpoint's save): every reference tensor each time
-    ref_tensors = len(list(trainer.ref_model.parameters())) + len(list(trainer.ref_model.buffers()))
-    assert len(moved) >= (1 + 2 * 2) * ref_tensors
+    # the reference's host buffers made once, at the start, and reused every step
+    assert host_buffers and all(parts.reference_parked._host[k] is b for k, b in host_buffers.items())
+    state_tensors = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
+    assert state_tensors and all(held(v) == 0 for v in state_tensors)  # AdamW's state parked after the run
 
     # the same numbers (one process, the same threads: bitwise)
     metrics = lambda t: [  # noqa: E731
@@ -160,13 +173,16 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     assert metrics(plain) == metrics(trainer) and len(metrics(plain)) >= 2
     for (n, p), (_, q) in zip(plain.model.named_parameters(), trainer.model.named_parameters()):
         assert torch.equal(p, q), n
-    for (n, p), (_, q) in zip(plain.ref_model.named_parameters(), trainer.ref_model.named_parameters()):
-        assert torch.equal(p, q), n
+    with parts.reference_parked.present():
+        for (n, p), (_, q) in zip(plain.ref_model.named_parameters(), trainer.ref_model.named_parameters()):
+            assert torch.equal(p, q), n
     state = lambda t: [v for s in t.optimizer.state.values() for v in s.values()]  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(state(plain), state(trainer), strict=True))
+    with parts.optimizer_parked.present():
+        assert all(torch.equal(a, b) for a, b in zip(state(plain), state(trainer), strict=True))
 
     # the checkpoint the run saved resumes with them out of the device again
     resumed = run(tmp_path / "parked", model_dir, "actor.reference_offload=true", "actor.optimizer_offload=true", "trainer.total_steps=3")
     assert resumed.step == 2
     assert resumed.parts.reference_parked.where == "host" and resumed.parts.optimizer_parked.where == "host"
-    assert all(torch.equal(a, b) for a, b in zip(state(plain), state(resumed), strict=True))
+    with resumed.parts.optimizer_parked.present():
+        assert all(torch.equal(a, b) for a, b in zip(state(plain), state(resumed), strict=True))

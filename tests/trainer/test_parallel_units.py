@@ -94,3 +94,29 @@ def test_a_shard_size_that_does_not_divide_the_ranks_is_one_line():
     assert device_mesh(Ranks(0, 4), "cpu", -1) is None and device_mesh(Ranks(0, 4), "cpu", 4) is None
     with pytest.raises(UserError, match=r"actor.fsdp_size=3 must divide the number of ranks \(4\), or be -1"):
         device_mesh(Ranks(1, 4), "cpu", 3)
+
+
+def test_the_optimizer_step_runs_with_the_threads_it_is_given():
+    """Under FSDP's offload the step runs on host shards with the rank's share of the node's
+    cores (torchrun starts each rank on one thread); the threads are as they were after."""
+    import torch
+    from test_update import CountingScheduler, actor_config
+
+    from grouprl.devices import host_share
+    from grouprl.trainer.update import PolicyUpdater, StepTensors
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            threads.append(torch.get_num_threads())
+            return super().step(closure)
+
+    threads: list[int] = []
+    w = torch.nn.Parameter(torch.ones(2))
+    before = torch.get_num_threads()
+    updater = PolicyUpdater(actor_config(), temperature=1.0, pad_token_id=0, step_threads=before + 2)
+    updater._gradients = lambda *a, **k: (w.sum().backward(), {})[1]  # any gradient: the step is what is watched
+    mask = torch.ones(1, 1)
+    tensors = StepTensors([[1]], torch.ones(1, 1, dtype=torch.long), mask.long(), mask, torch.zeros(1))
+    updater.update(torch.nn.Linear(1, 1), Recording([w], lr=0.1), CountingScheduler(), tensors, 1, [w])
+    assert threads == [before + 2] and torch.get_num_threads() == before
+    assert host_share(2) >= 1 and host_share(10**6) == 1

@@ -50,7 +50,8 @@ class FakeEngine:
         return next(self.model.parameters()).device
 
     def generate(self, prompts, n, params, generator=None, on_group_done=None, images=None):
-        self.calls.append({"prompts": prompts, "n": n, "draws": generator.uniform().tolist()})
+        autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        self.calls.append({"prompts": prompts, "n": n, "draws": generator.uniform().tolist(), "autocast": autocast})
         out = []
         for i in range(len(prompts)):
             flat = (len(self.calls) - 1, i) in self.flat
@@ -130,6 +131,21 @@ def test_a_steps_rollouts_sample_from_streams_keyed_by_step_and_rollout(config):
     collector.rollout(samples, prompts, 4, stream=(5, 1))  # the step's second rollout (a refill)
     assert parts.engine.calls[1]["draws"] == want
     assert parts.engine.calls[2]["draws"] == RowStreams(mix_seed(7, 5, 1), range(8)).uniform().tolist() != want
+
+
+def test_generation_runs_under_autocast_only_where_the_engine_computes_with_the_trainers_model(config):
+    """bf16 generation: the built-in engine (the trainer's model, in this thread) runs under
+    the rollout's autocast; an engine with a copy of its own (vLLM, an engine process) computes
+    in the dtype it was made with, so nothing here wraps it."""
+    parts = parts_for(config, "actor.dtype=bfloat16")
+    assert parts.rollout_dtype == torch.bfloat16
+    collector = Collector(parts.cfg, parts)
+    samples, prompts = collector.next_prompts()
+    collector.rollout(samples, prompts, 4)
+    parts.engine.reads_trainer_weights = True  # as the built-in engine
+    collector.rollout(samples, prompts, 4)
+    assert [call["autocast"] for call in parts.engine.calls] == [None, torch.bfloat16]
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def test_dynamic_filtering_refills_from_the_steps_next_streams(config):

@@ -77,7 +77,7 @@ def export_model(
     try:
         from grouprl.trainer.weights_writer import write_weights
 
-        write_weights(model, tmp)
+        write_weights(_base(_hf(model)), published_dtype(model), tmp)
         if write:
             _finish(model, tokenizer, tmp, target, meta, processor)
     except BaseException:

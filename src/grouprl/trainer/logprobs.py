@@ -257,13 +257,23 @@ def prefix_forward(
             past_key_values=cache,
             use_cache=False,  # our cache object is passed and filled all the same; True only warns under checkpointing
         ).last_hidden_state  # [U, L, H]
-    return Prefix(
-        keys=[layer.keys for layer in cache.layers],
-        values=[layer.values for layer in cache.layers],
-        last_hidden=hidden[:, -1],
-        mask=prefix_mask,
-        next_pos=next_pos,
-    )
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    _gather_for_backward(decoder, keys, values)
+    return Prefix(keys=keys, values=values, last_hidden=hidden[:, -1], mask=prefix_mask, next_pos=next_pos)
+
+
+def _gather_for_backward(decoder, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """A layer FSDP shards gathers its weights for backward when the gradient reaches its output;
+    a prefix's keys and values leave the layer another way (its cache), and the last layer's
+    output has no gradient at all in a prefix's backward (`Prefix.backward_from`), so each layer
+    is gathered too when the gradient reaches its keys or values (nothing if it is whole)."""
+    if not torch.is_grad_enabled():
+        return
+    for layer, k, v in zip(decoder.layers, keys, values):
+        if hasattr(layer, "unshard"):  # an FSDP2 module
+            for t in (k, v):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, layer=layer: layer.unshard())
 
 
 def response_log_probs(

@@ -69,6 +69,7 @@ class Ranks:
     # what reduce, gather and barrier go over: None, the default group (it serves CPU tensors),
     # or a gloo group of the same ranks beside a default group that does not
     group: Any = field(default=None, compare=False, repr=False)
+    local_world: int = 1  # the ranks on this node
 
     @property
     def main(self) -> bool:
@@ -92,7 +93,8 @@ class Ranks:
         # every rank gets here, as new_group (a collective) wants
         group = None if serves_cpu() else dist.new_group(backend="gloo")
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        return cls(dist.get_rank(), dist.get_world_size(), local, owns, group)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(), local, owns, group, per_node)
 
     def close(self) -> None:
         """Leave the process group once every rank is done (a group left to the interpreter's
@@ -109,7 +111,7 @@ class Ranks:
         asynchronous rollout's, beside the update's) gathers and reduces over it."""
         if not self.distributed:
             return self
-        return Ranks(self.rank, self.world, self.local_rank, False, dist.new_group(backend="gloo"))
+        return Ranks(self.rank, self.world, self.local_rank, False, dist.new_group(backend="gloo"), self.local_world)
 
     def share(self, num: int, what: str = "data.train_batch_size", block: int = 0) -> list[int]:
         """This rank's items (groups) of `num`: of every `block` of them (a mini-batch), its
@@ -200,7 +202,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or [])
     modules = dict(model.named_modules())
-    found = [n for n, m in modules.items() if type(m).__name__ in names]
+    # (FSDP renames a class it wraps FSDP<name>: the layers of a sharded model are found too)
+    found = [n for n, m in modules.items() if type(m).__name__.removeprefix("FSDP") in names]
     lists = [(n, m) for n, m in modules.items() if isinstance(m, torch.nn.ModuleList)]
     entries = {f"{n}.{i}" for n, m in lists for i in range(len(m))}
     blocks: list[str] = []
@@ -412,7 +415,9 @@ def state_gb(model: torch.nn.Module, optimizer) -> float:
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
-        if local.numel() and local.data_ptr() not in seen:
-            seen.add(local.data_ptr())
+        # a tensor parked in host memory (offload.py) has no storage here but still counts
+        key = local.data_ptr() if local.untyped_storage().nbytes() else id(local)
+        if local.numel() and key not in seen:
+            seen.add(key)
             total += local.numel() * local.element_size()
     return total / 1024**3

@@ -23,7 +23,7 @@ from grouprl.config import Config
 from grouprl.curriculum.online import OnlineCurriculum
 from grouprl.data import PromptSampler, Sample, encode_prompt, fit_prompt, load_samples, make_task
 from grouprl.data.sampler import Sampler
-from grouprl.devices import own_device
+from grouprl.devices import host_share, own_device
 from grouprl.errors import DataError, UserError
 from grouprl.rewards import CompositeReward
 from grouprl.rewards.streaming import StreamingRewards
@@ -53,7 +53,7 @@ from grouprl.trainer.models import (
     resolve_rollout_dtype,
     shape_stable_attention,
 )
-from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, wanted
+from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, parks_beside, wanted
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, load_into, shard
 from grouprl.trainer.pipeline import trainable_names
@@ -486,7 +486,12 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
     return engine, agent, ahead
 
 
-def make_updater(cfg: Config, pad_token_id: int, precision: Precision, rollout_is: str, family, ranks: Ranks) -> PolicyUpdater:
+def make_updater(
+    cfg: Config, pad_token_id: int, precision: Precision, rollout_is: str, family, ranks: Ranks, device: torch.device
+) -> PolicyUpdater:
+    # FSDP's offload: the optimizer steps the shards in host memory, with this rank's share of
+    # the node's cores (torchrun's ranks run one thread: right for the GPU, not for AdamW on a CPU)
+    host_step = not parks_beside(cfg.actor.fsdp_offload, ranks.distributed, device)
     return PolicyUpdater(
         cfg.actor,
         temperature=cfg.rollout.temperature,
@@ -500,6 +505,7 @@ def make_updater(cfg: Config, pad_token_id: int, precision: Precision, rollout_i
         norm_length=norm_length(cfg),
         vision=family,
         ranks=ranks,
+        step_threads=host_share(ranks.local_world) if host_step else None,
     )
 
 
@@ -546,9 +552,11 @@ def build(cfg: Config) -> Parts:
     optimizer = build_optimizer(params, a.optim)
     scheduler = build_scheduler(optimizer, a.optim, total_steps * mini_batches * a.ppo_epochs)
     # what lives in host memory between its uses (actor.reference_offload / optimizer_offload)
-    reference_parked = ParkedModule(models.ref_model, device, enabled=wanted(a.reference_offload, device))
+    # nothing to park under FSDP's own offload: the shards and AdamW's state live in host memory
+    beside = parks_beside(a.fsdp_offload, ranks.distributed, device)
+    reference_parked = ParkedModule(models.ref_model, device, enabled=wanted(a.reference_offload, device) and beside)
     reference_parked.out()
-    optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload))
+    optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload) and beside)
     optimizer_parked.out()  # (no state before the first step)
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
     engine, agent, ahead = make_engines(cfg, models, device, precision, ranks, report)
@@ -562,6 +570,6 @@ def build(cfg: Config) -> Parts:
         total_steps=total_steps, ref_model=models.ref_model, policy=models.policy, params=params,
         optimizer=optimizer, scheduler=scheduler, engine=engine, agent=agent, single_turn=SingleTurn(engine),
         streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
-        updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks),
+        updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks, device),
         reference_parked=reference_parked, optimizer_parked=optimizer_parked, ahead=ahead,
     )  # fmt: skip

@@ -2,8 +2,9 @@
 
 Every rank builds the model with its parameters on the meta device, FSDP shards it (still on
 meta), and each rank then reads from the model's safetensors files only the part of each tensor
-its shard holds (`safe_open(...).get_slice`), straight into the shard where it lives (the
-device, or pinned host memory under FSDP's offload). No rank holds a whole copy of the model in
+its shard holds (a byte range: FSDP shards the first dimension), straight into the shard where it
+lives (host memory read into directly; the device, or pinned host memory under FSDP's offload,
+through a buffer of that range). No rank holds a whole copy of the model in
 host memory and nothing is broadcast; a whole copy (the generation copy of asynchronous runs)
 reads whole tensors the same way, one at a time.
 
@@ -35,8 +36,6 @@ SINGLE = "model.safetensors"
 def safetensors_files(model_path: str) -> dict[str, Path] | None:
     """{checkpoint key: its file} of the safetensors files at `model_path` (a folder, or a hub id
     in the local cache); None when the weights are not safetensors."""
-    from safetensors import safe_open
-
     folder = Path(model_path)
     if not folder.is_dir():
         folder = _cached_folder(model_path)
@@ -46,8 +45,9 @@ def safetensors_files(model_path: str) -> dict[str, Path] | None:
         weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
         return {key: folder / name for key, name in weight_map.items()}
     if (folder / SINGLE).is_file():
-        with safe_open(str(folder / SINGLE), framework="pt") as f:
-            return dict.fromkeys(f.keys(), folder / SINGLE)
+        single = SafetensorsFile(folder / SINGLE)
+        single.close()
+        return {key: folder / SINGLE for key in single.header if key != "__metadata__"}
     return None
 
 
@@ -172,39 +172,78 @@ class Checkpoint:
 
     def fill(self, model: torch.nn.Module, device: torch.device) -> None:
         """`model`'s parameters (on the meta device; FSDP's shards or whole tensors) and the
-        persistent buffers the files hold, read from the files: each shard its own slice,
-        converted to the parameter's dtype and copied to where it lives. Buffers the files do
-        not hold stay as built (rotary tables)."""
-        from safetensors import safe_open
-
+        persistent buffers the files hold, read from the files: each shard its own slice, read
+        (not mapped: the resident set holds what is copied, not the file's pages) into the
+        shard where it lives, converted to its dtype on the way. Buffers the files do not hold
+        stay as built (rotary tables)."""
         from grouprl.trainer.parallel import materialize
 
         materialize(model, device)
         adapters = adapter_init(model, self.seed) if any(adapter_kind(n) for n, _ in model.named_parameters()) else {}
-        opened: dict[Path, object] = {}
+        files: dict[Path, SafetensorsFile] = {}
         done: set[int] = set()
-        with torch.no_grad():
-            for name, held in model.state_dict(keep_vars=True).items():
-                if not isinstance(held, torch.Tensor) or id(held) in done:
-                    continue
-                done.add(id(held))  # tied weights: one tensor under two names
-                local, index = _local_part(held)
-                if local.numel() == 0:
-                    continue
-                if name in adapters:
-                    local.copy_(adapters[name][index])
-                    continue
-                key = self.names.get(base_name(name))
-                if key is None:  # a buffer the files do not hold
-                    continue
-                file = self.files[key]
-                if file not in opened:
-                    opened[file] = safe_open(str(file), framework="pt", device="cpu")
-                part = opened[file].get_slice(key)
-                piece = part[index] if index else part[:]  # a 0-d tensor has no index
-                self.read_bytes += piece.numel() * piece.element_size()
-                local.copy_(piece.to(local.dtype))
-                del piece
+        try:
+            with torch.no_grad():
+                for name, held in model.state_dict(keep_vars=True).items():
+                    if not isinstance(held, torch.Tensor) or id(held) in done:
+                        continue
+                    done.add(id(held))  # tied weights: one tensor under two names
+                    local, index = _local_part(held)
+                    if local.numel() == 0:
+                        continue
+                    if name in adapters:
+                        local.copy_(adapters[name][index])
+                        continue
+                    key = self.names.get(base_name(name))
+                    if key is None:  # a buffer the files do not hold
+                        continue
+                    path = self.files[key]
+                    if path not in files:
+                        files[path] = SafetensorsFile(path)
+                    self.read_bytes += files[path].read_into(key, index, local)
+        finally:
+            for f in files.values():
+                f.close()
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class SafetensorsFile:
+    """One safetensors file read by byte ranges: a tensor's rows (its first dimension's slice,
+    the way FSDP shards) are one contiguous range, read straight into the destination when it
+    is host memory of the file's dtype, else through a buffer of that range alone."""
+
+    def __init__(self, path: Path):
+        self.handle = open(path, "rb")  # noqa: SIM115 - closed by close()
+        size = int.from_bytes(self.handle.read(8), "little")
+        self.header = json.loads(self.handle.read(size))
+        self.start = 8 + size
+
+    def read_into(self, key: str, index: tuple[slice, ...], out: torch.Tensor) -> int:
+        """Rows `index` of tensor `key` (whole in every other dimension) into `out`; the bytes read."""
+        entry = self.header[key]
+        dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
+        rows = index[0] if index else slice(0, 1)
+        if any((s.start, s.stop) != (0, n) for s, n in zip(index[1:], shape[1:])):
+            raise ValueError(f"{key}: only slices of the first dimension are read, not {index}")
+        row_bytes = math.prod(shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+        direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+        buffer = out if direct else torch.empty(out.shape, dtype=dtype)
+        self.handle.seek(self.start + entry["data_offsets"][0] + rows.start * row_bytes)
+        view = memoryview(buffer.view(torch.uint8).numpy()).cast("B") if buffer.numel() else memoryview(b"")
+        if self.handle.readinto(view) != view.nbytes:
+            raise ValueError(f"{key}: the file ends before the tensor does")
+        if not direct:
+            out.copy_(buffer)
+        return view.nbytes
+
+    def close(self) -> None:
+        self.handle.close()
 
 
 def _local_part(held: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:

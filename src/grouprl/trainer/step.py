@@ -138,7 +138,10 @@ class Collector:
         generator = RowStreams(stream_seed, [g * n + j for g in groups for j in range(n)])
         images = self.p.encoder.images_of(samples)
         with_images = {"images": images} if images is not None else {}
-        with policy_for_generation(self.p.engine, self.p.policy), autocast(self.p.device, self.p.rollout_dtype):
+        # autocast only where the engine computes here, with the trainer's model (an engine with a
+        # copy of its own, vLLM or an engine process, computes in the dtype it was made with)
+        in_here = self.p.rollout_dtype if self.p.engine.reads_trainer_weights else None
+        with policy_for_generation(self.p.engine, self.p.policy), autocast(self.p.device, in_here):
             try:
                 return self.runner.run(
                     samples,
@@ -429,6 +432,10 @@ class Learner:
         ranks), and each real trajectory's advantage for the logs."""
         p = self.p
         t_start = time.perf_counter()
+        # several ranks on a CPU: what generation gathered whole goes back first (the malloc heap
+        # would keep it resident into the update); on CUDA the push releases the allocator's cache
+        if p.device.type == "cpu" and p.ranks.distributed and self.cfg.actor.update_malloc_trim:
+            release_cached_memory(p.device)
         p.meter.start()  # the update phase's peak (perf/peak_gb/update)
         tensors, rewards, kl_seq = self.step_tensors(batch)
         t_prep = time.perf_counter()

@@ -131,11 +131,8 @@ class Trainer:
         if path is None:
             return
         ref = self.parts.ref_model if isinstance(self.parts.ref_model, torch.nn.Module) else None
-        with self._parked_present():  # loaded where they live during the update
+        with self._parked_present():  # loaded where they live during the update, parked after
             state = CheckpointManager.load(path, self.parts.policy, self.parts.optimizer, self.parts.scheduler, ref_model=ref)
-        if not self.parts.ranks.distributed:  # torch loads an optimizer's state onto its parameters' device
-            self.parts.optimizer_parked.where = "device"
-            self.parts.optimizer_parked.out()
         self.step = state["step"]
         self.parts.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -164,12 +161,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def _parked_present(self):
-        """For a sharded save or load: the reference and the optimizer state on the device inside
-        (they live in host memory between their uses with actor.reference_offload /
-        optimizer_offload). One process saves them from host memory as they are."""
-        if not self.parts.ranks.distributed:
-            yield
-            return
+        """For a save or load: the reference and the optimizer state on the device inside (they
+        live in host memory between their uses with actor.reference_offload / optimizer_offload,
+        their tensors empty on the device)."""
         with self.parts.reference_parked.present(), self.parts.optimizer_parked.present():
             yield
 

@@ -20,6 +20,7 @@ import torch
 from grouprl import cpu
 from grouprl.algorithms import aggregate_loss, kl_estimate, policy_loss, rollout_correction
 from grouprl.config import ActorConfig
+from grouprl.devices import host_threads
 from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer import lockstep
 from grouprl.trainer.head_stats import head_grad_into_param
@@ -32,6 +33,7 @@ from grouprl.trainer.logprobs import (
     prompt_keys,
     response_log_probs,
     shared_opening,
+    unique_prompts,
 )
 from grouprl.trainer.micro_batches import PrefixUnit, plan_micro_batches
 from grouprl.trainer.parallel import Ranks, full_tensor, reshard_root, run, set_gradient_sync
@@ -163,13 +165,16 @@ class PolicyUpdater:
         norm_length: float | None = None,
         vision=None,
         ranks: Ranks | None = None,
+        step_threads: int | None = None,
     ):
         """`rollout_is` ("off" | "token" | "sequence" | "geometric"): importance weights of an
         engine's samples (`StepTensors.rollout_log_probs`) against the old log-probs multiply
         each token's policy-gradient loss: capped at `rollout_is_cap` (`rollout_is_mode`
         "truncate"), or (mode "mask") tokens or sequences whose ratio leaves
         [`rollout_is_lower` (None: 1 / cap), `rollout_is_cap`] leave the loss (`reject`, before
-        the update). `norm_length`: seq-mean-token-sum-norm's constant divisor."""
+        the update). `norm_length`: seq-mean-token-sum-norm's constant divisor. `step_threads`:
+        the CPU threads the gradient clip and optimizer step run with (FSDP's offload: they run on
+        host shards; None: the process's)."""
         if cfg.micro_batch_tokens == "auto":  # a run settles it for its device (memory.settle_for_devices)
             cfg = dataclasses.replace(cfg, micro_batch_tokens=0)  # an updater on its own counts rows
         self.cfg = cfg
@@ -184,6 +189,7 @@ class PolicyUpdater:
         self.skip_nonfinite = skip_nonfinite
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
+        self.step_threads = step_threads
 
     def log_probs(
         self,
@@ -224,13 +230,14 @@ class PolicyUpdater:
             return contextlib.nullcontext()
         return torch.autocast(device_type=next(model.parameters()).device.type, dtype=self.compute_dtype)
 
-    def _prefix(self, model, unit: PrefixUnit, tensors: StepTensors, opening: Prefix | None = None) -> Prefix:
+    def _prefix(self, model, unit: PrefixUnit, tensors: StepTensors, opening: Prefix | None = None, vision=None) -> Prefix:
+        vision = vision if vision is not None else self.vision
         images = None
-        if self.vision is not None and tensors.prompt_images is not None:
+        if vision is not None and tensors.prompt_images is not None:
             row_of = {u: r for r, u in unit.prompt_of_row.items()}
             images = [tensors.prompt_images[row_of[u]] for u in range(len(unit.prompts))]
         with self._autocast(model):
-            return run(model, prefix_forward, unit.prompts, self.pad_token_id, opening, self.vision, images)
+            return run(model, prefix_forward, unit.prompts, self.pad_token_id, opening, vision, images)
 
     def opening_forward(self, model, tensors: StepTensors, rows: list[int]) -> Prefix | None:
         """The opening that the distinct prompts of `rows` share (a system prompt, example turns),
@@ -372,10 +379,12 @@ class PolicyUpdater:
                 for mini in split(list(range(n_rows)), rows_per_mini):
                     optimizer.zero_grad(set_to_none=True)
                     micro_metrics = self._gradients(model, tensors, mini, before_backward, recorded)
-                    grad_norm = self._clip(params)
-                    finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                    with host_threads(self.step_threads):
+                        grad_norm = self._clip(params)
+                        finite = math.isfinite(grad_norm) and all(math.isfinite(v) for v in micro_metrics.values())
+                        if finite or not self.skip_nonfinite:
+                            optimizer.step()
                     if finite or not self.skip_nonfinite:
-                        optimizer.step()
                         scheduler.step()
                     else:  # a NaN/inf loss or gradient would poison the weights: skip, warn, count
                         log.warning("non-finite loss or gradient norm (%s); optimizer step skipped", grad_norm)
@@ -393,17 +402,16 @@ class PolicyUpdater:
 
     @contextlib.contextmanager
     def _updating(self, model):
-        """Around an update: sdpa (flash kernels take no block masks); in one process the head's
-        weight gradient goes straight into .grad (logprobs.py) and, on a CPU, the layers keep
+        """Around an update: sdpa (flash kernels take no block masks); on a CPU the layers keep
         fewer activations and freed memory goes back to the OS (grouprl.cpu: it yields what runs
-        before each backward). The CPU's layer patches would touch layers FSDP manages: on several
-        ranks only its allocator part (cpu.lean_memory)."""
-        with block_masks(model, self.cfg.shared_prefix):
-            if self.ranks.distributed:  # freed memory back to the OS all the same
-                with cpu.lean_memory(model, self.cfg) as before_backward:
-                    yield before_backward
+        before each backward; under FSDP the devices run inside the layers it wraps, which it
+        gathers for their backward as for any); in one process the head's weight gradient goes
+        straight into .grad (logprobs.py; FSDP reduces the gradient autograd gives it)."""
+        with block_masks(model, self.cfg.shared_prefix), cpu.lean_update(model, self.cfg) as before_backward:
+            if self.ranks.distributed:
+                yield before_backward
                 return
-            with head_grad_into_param(), cpu.lean_update(model, self.cfg) as before_backward:
+            with head_grad_into_param():
                 yield before_backward
 
     def _gradients(
@@ -445,32 +453,62 @@ class PolicyUpdater:
     def _passes_in_step(
         self, model, tensors: StepTensors, mini: list[int], recorded, totals, micro_metrics, before_backward
     ) -> None:
-        """Several ranks: each micro-batch one pass (its prompts inside it), as many passes on
-        every rank (the others' padded with passes of zero weight) and, when any rank's rows have
-        images, the tower run first in every pass (lockstep.py); each pass's backward
-        reduce-scatters its gradients into the shards (every actor.fsdp_reduce_every passes).
-        FSDP averages over the ranks: the weights are times the world size."""
+        """Several ranks: each micro-batch one pass, as many passes on every rank (the others'
+        padded with passes of zero weight) and, when any rank's rows have images, the tower run
+        first in every pass (lockstep.py); each pass's backward reduce-scatters its gradients
+        into the shards (every actor.fsdp_reduce_every passes). FSDP averages over the ranks:
+        the weights are times the world size."""
         micros = [m for unit in self.plan(tensors, mini) for m in unit.micro_batches]
         count, with_images = lockstep.pass_count(self.ranks, len(micros), self._with_images(tensors, mini))
         every = self.cfg.fsdp_reduce_every or count
+        pad = self._pad_tensors(tensors) if count > len(micros) else None
         try:
             for i in range(count):
                 set_gradient_sync(model, (i + 1) % every == 0 or i == count - 1)
-                micro = micros[i] if i < len(micros) else None
-                images = self._pass_images(model, tensors.rows(micro) if micro is not None else None, with_images)
+                rows, source = (micros[i], tensors) if i < len(micros) else ([0], pad)
+                images = self._pass_images(model, source.rows(rows) if source is tensors else None, with_images)
                 vision = images.family if images is not None else None
-                if micro is None:
-                    loss = self.log_probs(model, self._pad_batch(tensors), vision=vision)[0].sum() * 0.0
+                unit = self._pass_unit(source, rows)
+                # the prompts run first, on their own: their weights' gradients are reduced by their
+                # own backward, after the responses' (one graph through both would hold every
+                # layer's response gradients whole until the prompts' backward reached it)
+                prefix = self._prefix(model, unit, source, vision=vision) if self.cfg.shared_prefix else None
+                leaves = prefix.detached() if prefix is not None else None
+                loss, m = self._micro_loss(model, source, rows, leaves, unit, None, recorded if source is tensors else None, vision)
+                if source is tensors:
+                    loss = loss * (self._account(micro_metrics, tensors, rows, m, totals) * self.ranks.world)
                 else:
-                    loss, m = self._micro_loss(model, tensors, micro, recorded=recorded, vision=vision)
-                    loss = loss * (self._account(micro_metrics, tensors, micro, m, totals) * self.ranks.world)
+                    loss = loss * 0.0
                 if loss.requires_grad:  # nothing trainable ran: no rank has a gradient to reduce
                     before_backward()
                     loss.backward()
+                if prefix is not None:
+                    prefix.backward_from(leaves)
+                    del prefix, leaves
                 if images is not None:
                     images.backward()
         finally:
             set_gradient_sync(model, True)
+
+    def _pass_unit(self, tensors: StepTensors, rows: list[int]) -> PrefixUnit:
+        """A micro-batch as a unit of its own: its rows' distinct prompts."""
+        keys = prompt_keys(tensors.prompt_ids, tensors.prompt_images)
+        prompts, index = unique_prompts([tensors.prompt_ids[r] for r in rows], [keys[r] for r in rows] if keys else None)
+        return PrefixUnit(prompts, [rows], dict(zip(rows, index)))
+
+    def _pad_tensors(self, tensors: StepTensors) -> StepTensors:
+        """One row of one pad token after a one-token prompt: a pass of zero weight."""
+        batch = lockstep.pad_batch(self.pad_token_id, tensors.response_ids.device)
+        mask = batch.response_mask.float()
+        images = [[]] if tensors.prompt_images is not None else None
+        return StepTensors(
+            batch.prompt_ids, batch.response_ids, batch.response_mask, mask, mask.new_zeros(1),
+            old_log_probs=mask.new_zeros(1, 1) if tensors.old_log_probs is not None else None,
+            ref_log_probs=mask.new_zeros(1, 1) if tensors.ref_log_probs is not None else None,
+            rollout_log_probs=mask.new_zeros(1, 1) if tensors.rollout_log_probs is not None else None,
+            policy_mask=mask if tensors.policy_mask is not None else None,
+            prompt_images=images, response_images=images,
+        )  # fmt: skip
 
     def _account(self, micro_metrics: dict, tensors: StepTensors, micro: list[int], metrics: dict, totals) -> float:
         """The micro-batch's weight in the mini-batch's loss; its metrics added at their share."""

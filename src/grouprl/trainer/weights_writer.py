@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
+from grouprl.trainer.slices import SAFETENSORS_DTYPES
+
+DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 MAX_FILE_BYTES = 5 * 1024**3  # as save_pretrained shards: files of at most this many bytes
-DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}  # fmt: skip
+
 
 
 class SafetensorsStream:
@@ -132,15 +131,12 @@ def lora_delta(module, whole: dict[str, torch.Tensor], prefix: str) -> torch.Ten
     return delta
 
 
-def write_weights(model, folder: Path | None) -> None:
-    """`model`'s weights (a sharded policy's gathered one module at a time; LoRA merged) into
-    `folder` in its published dtype; every rank of a sharded policy calls this, and the one
-    with a `folder` (None elsewhere) writes."""
-    from grouprl.trainer.export import _base, _hf, published_dtype
+def write_weights(base, dtype: torch.dtype, folder: Path | None) -> None:
+    """The weights of `base` (the Hugging Face model inside the policy; a sharded policy's
+    gathered one module at a time; LoRA merged) into `folder` in `dtype` (its published one);
+    every rank of a sharded policy calls this, and the one with a `folder` (None elsewhere) writes."""
     from grouprl.trainer.parallel import full_tensor
 
-    base = _base(_hf(model))
-    dtype = published_dtype(model)
     params = dict(base.named_parameters())
     modules = dict(base.named_modules())
     plain = lambda name: name.replace(".base_layer.", ".")  # noqa: E731 - LoRA's wrapper out

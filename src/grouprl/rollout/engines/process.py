@@ -50,7 +50,7 @@ import grouprl
 from grouprl.errors import ModelLoadError, UserError
 from grouprl.processes import start_fresh
 from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams
-from grouprl.rollout.engines.rendezvous import ConnectionStore
+from grouprl.rollout.engines.rendezvous import Channel, ConnectionStore
 from grouprl.rollout.engines.streams import Randomness, RowStreams
 
 HOST = "127.0.0.1"  # an engine process started here runs beside the trainer's, on the same machine
@@ -156,11 +156,11 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 def form_group(conn, rank: int, backend: str, device: torch.device, host: str = HOST):
     """The two processes' group, its rendezvous over `conn` (the trainer, rank 0, keeps the keys;
-    rendezvous.py) and formed now: one broadcast, so that NCCL makes its communicator while the
-    rendezvous is live. Nothing else may use `conn` meanwhile."""
-    store = ConnectionStore(conn, host=rank == 0, timeout_s=WEIGHTS_TIMEOUT_S)
-    if rank == 0:
-        store.serve()
+    rendezvous.py) and formed now (one broadcast: NCCL makes its first communicator). From here
+    the process reads `conn` through the returned channel, which keeps the rendezvous answering
+    for the group's life: (group, store, channel)."""
+    channel = Channel(conn)
+    store = ConnectionStore(channel, host=rank == 0, timeout_s=WEIGHTS_TIMEOUT_S)
     try:
         group = _group(store, rank, WEIGHTS_TIMEOUT_S, backend, host)
         _broadcast(group, torch.zeros(1, device=device))
@@ -168,8 +168,7 @@ def form_group(conn, rank: int, backend: str, device: torch.device, host: str = 
         if store.failed:
             raise EngineProcessError(store.failed) from None
         raise EngineProcessError(f"the weights' group ({backend}) did not form: {e}".splitlines()[0]) from None
-    store.formed()
-    return group, store
+    return group, store, channel
 
 
 def _receive_weights(conn, meta, params: dict, device: torch.device, group=None) -> None:
@@ -210,7 +209,9 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], back
             torch.cuda.set_device(device)
         ready = {"eos_token_ids": engine.eos_token_ids, "pad_token_id": engine.pad_token_id}
         conn.send(("ready", {**ready, "backend": backend, "pid": os.getpid()}))
-        group = None if backend == "connection" else form_group(conn, 1, backend, device, host)[0]
+        group = None
+        if backend != "connection":  # the connection read through the group's channel from here
+            group, _, conn = form_group(conn, 1, backend, device, host)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
@@ -336,7 +337,7 @@ class EngineProcess:
         self.group = None
         if self.backend != "connection":
             warm = self._device if self.backend == "nccl" else torch.device("cpu")
-            self.group, self._store = form_group(self.conn, 0, self.backend, warm, here)
+            self.group, self._store, self.conn = form_group(self.conn, 0, self.backend, warm, here)
         self.eos_token_ids, self.pad_token_id = first["eos_token_ids"], first["pad_token_id"]
 
     @property

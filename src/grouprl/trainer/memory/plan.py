@@ -395,14 +395,15 @@ class _Sizes:
         """The larger of two moments of a pass: its backward's start (every activation held, the
         top layer's backward running), and, with the shared prefix, the end of the responses'
         backward, where the decoder's weight gradients of the responses' pass wait in autograd's
-        buffers for the prompts' pass to add its own (one process: from the second micro-batch
-        on, beside the gradients accumulated so far; ZeRO-3: every micro-batch, the gathered
-        gradients being reduced once per layer) next to the prompts' activations."""
+        buffers for the prompts' pass to add its own (one process, from the second micro-batch
+        on, beside the gradients accumulated so far) next to the prompts' activations. Under
+        ZeRO-3 a micro-batch's prompts run as their own pass before its responses', their
+        gradients reduced by their own backward: nothing waits."""
         cfg, shape, gb = self.cfg, self.shape, 1 / GIB
         mb, settings = self.micro_batch(), self._pass_settings()
         resident = self._resident_in_update()
         phases = [Phase("update", {**resident, **activation_parts(shape, mb, settings)})]
-        waits = mb.shared and (self.world > 1 or micro_batches_per_step(cfg, self.world, mb) > 1)
+        waits = mb.shared and self.world == 1 and micro_batches_per_step(cfg, self.world, mb) > 1
         if waits:
             prompts_only = replace(mb, rows=0, bins=0, width=0)
             boundary = {**resident, **activation_parts(shape, prompts_only, settings, heads=False)}
@@ -412,8 +413,7 @@ class _Sizes:
             # the second is summed into the first in a copy, beside the accumulated .grad)
             embeddings = shape.vocab * shape.hidden if self._lm_trains() else 0
             decoder = min(shape.trainable - embeddings, shape.layer * shape.layers)
-            copies = 1 if self.world > 1 else 2
-            waiting = decoder * self.compute_bytes + copies * embeddings * settings.stream
+            waiting = decoder * self.compute_bytes + 2 * embeddings * settings.stream
             boundary["gradients waiting for the prompts' pass"] = waiting * gb
             phases.append(Phase("update", boundary))
         if self.parked_reference:  # on the device for its pass only, before the update's passes begin
