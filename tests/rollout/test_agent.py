@@ -24,6 +24,7 @@ from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.agent_prompts import LAST_TURN, PROTOCOL, PROTOCOL_SELF_ANSWER, correction
 from grouprl.rollout.answer import AnswerResult
 from grouprl.rollout.engines import Generation, ReprefillSession, SamplingParams
+from grouprl.rollout.engines.base import TurnsAtEachStep
 from grouprl.rollout.tools.base import Observation
 
 PARAMS = SamplingParams(max_new_tokens=60, temperature=1.0)
@@ -57,7 +58,7 @@ class ScriptedEngine:
         return ScriptedSession(self, prompts, n) if reuse_cache else ReprefillSession(self, prompts, n)
 
 
-class ScriptedSession:
+class ScriptedSession(TurnsAtEachStep):
     def __init__(self, engine, prompts, n):
         self.engine = engine
         self.contexts = [list(prompts[k // n]) for k in range(len(prompts) * n)]
@@ -75,6 +76,7 @@ class ScriptedSession:
 
     def release(self, row):
         self.released.add(row)
+        self.forget(row)
 
 
 class FakeSearch:

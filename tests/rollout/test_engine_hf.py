@@ -460,7 +460,7 @@ def test_the_config_builds_the_engine_and_both_session_kinds_continue_alike(mode
     one that re-feeds whole conversations give the same greedy turns."""
     from grouprl.config import RolloutConfig
     from grouprl.rollout.engines import ReprefillSession, build_engine
-    from grouprl.rollout.engines.hf import KVSession
+    from grouprl.rollout.engines.hf_session import KVSession
 
     model, tokenizer = model_and_tokenizer
     engine = build_engine(RolloutConfig(share_prompt_prefill=False, gen_batch_size=6), model, tokenizer)

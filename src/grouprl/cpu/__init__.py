@@ -11,7 +11,7 @@ reads the same on a GPU:
   values (lean_attention.py), and freed activation memory goes back to the OS (allocator.py).
   It yields `before_backward`, to call before each backward.
 - `lean_scoring(model, actor_cfg)` around a no-grad scoring pass (old / reference log-probs).
-- `fast_decode(model)` around a decode loop: few-row products in the faster of two equal forms,
+- `fast_decode(model)` around a decode loop: few-row products in the fastest of a few equal forms,
   timed per shape (small_matmul.py).
 
 Each device has its own switch in the actor config (`actor.lean_mlp`, `lean_norm`,
@@ -69,6 +69,6 @@ def lean_scoring(model: torch.nn.Module, cfg: Any) -> contextlib.AbstractContext
 
 
 def fast_decode(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Within the block, a CPU model's plain linear layers take few-row products in their faster
+    """Within the block, a CPU model's plain linear layers take few-row products in their fastest
     form (timed per shape on the first calls); elsewhere nothing changes."""
     return small_batch_linear(model)

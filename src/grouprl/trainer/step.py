@@ -261,7 +261,11 @@ class Collector:
             metrics = p.reward.score(generated.trajectories)
             clock["reward"] += time.perf_counter() - t1
         clock["generate"] += generated.end - generated.start
-        metrics.update(generated.stats)
+        for key, value in generated.stats.items():  # the agent's split of its time: over every rollout
+            if key.startswith("time/"):
+                clock[key.removeprefix("time/")] = clock.get(key.removeprefix("time/"), 0.0) + value
+            else:
+                metrics[key] = value
         # a judge that stopped answering, or a reward that fails on most calls, stops the run
         # (on every rank alike) rather than train it on fallback values
         r = c.reward
@@ -302,6 +306,9 @@ class Collector:
         metrics["time/generate"], metrics["time/reward"] = clock["generate"], clock["reward"]
         if p.streaming is not None:  # reward work that overlapped generation (not waited for)
             metrics["time/reward_hidden"] = clock["reward_hidden"]
+        for key in ("engine", "tools"):  # an agent's: the engine generating, some tool call in flight
+            if key in clock:
+                metrics[f"time/{key}"] = clock[key]
         return Settled(groups, dropped, metrics)
 
     def _drop_failed(self, groups: list[Group], metrics: dict[str, float], curriculum: bool):
