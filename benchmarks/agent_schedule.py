@@ -11,13 +11,17 @@ the environments `make setup setup-vllm` builds) on SmolLM2-135M (built in) in f
 rollout is the recipe's step: 4 prompts x 4 samples, at most 4 turns of at most 64 tokens, the
 policy answering itself (configs/search_agent.yaml). The untrained policy writes no actions, so
 every turn is scripted (its tokens forced, one a decode step, as tests/vision_helpers.ForcedTurns
-does): a row searches 1-3 times, then answers; each turn is seeded filler of 4-50 tokens
-(long-tailed) and then its action. Searches go over HTTP (grouprl's RetrievalClient and
-SearchTool) to a service in the child that answers each query after a latency drawn per
-(row, turn), seeded: `tail` log-normal, median 0.2 s, clipped to 0.05-2 s; `instant` none. A
-request of several queries (the search tool batches those that arrive together) is answered
-after its slowest. Both schedules see the same scripts and latencies, and must write the same
-trajectories (checked).
+does): a row searches 1-3 times, then answers; each turn is seeded filler of 2 to `--max-filler`
+tokens (log-normal, median 6: a turn of 64 tokens at most, most of them far shorter) and then its
+action. Searches go over HTTP (grouprl's
+RetrievalClient and SearchTool) to a service in the child that answers each query with
+`--sentences` sentences after a latency drawn per (row, turn), seeded: `tail` log-uniform on
+0.05-2 s, `lognormal` median 0.2 s clipped to 0.05-2 s, `instant` none. A request of several
+queries (the search tool batches those that arrive together) is answered after its slowest.
+Both schedules see the same scripts and latencies, and must write the same trajectories
+(checked). On this CPU a 70-token result costs a row about a second of prefill, so the default
+shape keeps results short (one sentence): closer to a GPU's balance between generation and the
+tools' waits than the recipe's 256-token observations (`--sentences 4` is that heavier shape).
 
 Per engine and latency: each round runs a rollout of each schedule (which first alternates),
 after one warm-up rollout each; printed: every rollout's wall time and its split (time/engine,
@@ -44,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = "RESULT "
 SEED = 7
 FILLER = "Let me think about which page could hold the answer before I search for it. " * 8
-PASSAGE = "The page lists the figures, the dates and the places that the question asks about. " * 4
+SENTENCE = "The page lists the figures, the dates and the places that the question asks about. "
+SHAPE = {"max_filler": 44, "sentences": 1}  # the child's: --max-filler, --sentences
 
 
 # ------------------------------------------------------------------ the script and the service
@@ -53,21 +58,27 @@ def searches(row: int) -> int:
 
 
 def filler_tokens(key: str) -> int:
-    """Seeded, long-tailed: 4-50 tokens (median about 10)."""
-    return min(50, max(4, round(math.exp(random.Random(f"{SEED}-len-{key}").gauss(math.log(10), 0.8)))))
+    """Seeded, long-tailed: 2 to --max-filler tokens, median 6 (log-normal, sigma 1.2)."""
+    return min(SHAPE["max_filler"], max(2, round(math.exp(random.Random(f"{SEED}-len-{key}").gauss(math.log(6), 1.2)))))
 
 
 def latency(row: int, turn: int, profile: str) -> float:
-    if profile == "instant":
-        return 0.0
-    return min(2.0, max(0.05, math.exp(random.Random(f"{SEED}-lat-{row}-{turn}").gauss(math.log(0.2), 1.0))))
+    """Seconds the service takes for row `row`'s search in turn `turn`: `tail` log-uniform on
+    0.05-2 s (median 0.32 s, one in ten above 1.4 s), `lognormal` median 0.2 s clipped to
+    0.05-2 s (one in ten above 0.72 s), `instant` none."""
+    draw = random.Random(f"{SEED}-lat-{row}-{turn}")
+    if profile == "tail":
+        return math.exp(draw.uniform(math.log(0.05), math.log(2.0)))
+    if profile == "lognormal":
+        return min(2.0, max(0.05, math.exp(draw.gauss(math.log(0.2), 1.0))))
+    return 0.0
 
 
 class Service:
     """POST /search: each query `g<G>t<T> row<R>` answered after latency(R, T); a request after its slowest."""
 
     def __init__(self, profile: str):
-        self.profile = profile
+        self.profile, self.passage = profile, SENTENCE * SHAPE["sentences"]
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -82,7 +93,7 @@ class Service:
                 keys = [tuple(map(int, re.findall(r"\d+", item["query"])[-2:][::-1])) for item in items]
                 time.sleep(max((outer.latency(*k) for k in keys), default=0.0))
                 self._reply([{"id": item["id"], "results": [
-                    {"doc_id": f"d{k[0]}-{k[1]}", "score": 1.0, "text": f"row {k[0]} turn {k[1]}: {PASSAGE}"}]}
+                    {"doc_id": f"d{k[0]}-{k[1]}", "score": 1.0, "text": f"row {k[0]} turn {k[1]}: {outer.passage}"}]}
                     for item, k in zip(items, keys)])  # fmt: skip
 
             def _reply(self, body):
@@ -226,6 +237,7 @@ def child(args) -> None:
     from grouprl.rollout.tools.search import SearchTool
     from grouprl.trainer.models import load_causal_lm, load_tokenizer, resolve_model_path
 
+    SHAPE.update(max_filler=args.max_filler, sentences=args.sentences)
     path = resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"))
     tokenizer = load_tokenizer(ModelConfig(path=path), path)
     model = load_causal_lm(ModelConfig(path=path), path, torch.device("cpu"), torch.float32).eval()
@@ -270,7 +282,8 @@ def child(args) -> None:
 def run_child(engine: str, args) -> dict:
     python = args.hf_python if engine == "hf" else args.vllm_python
     command = [python, str(Path(__file__).resolve()), "--child", engine, "--rounds", str(args.rounds),
-               "--prompts", str(args.prompts), "--n", str(args.n), "--latencies", *args.latencies]  # fmt: skip
+               "--prompts", str(args.prompts), "--n", str(args.n), "--max-filler", str(args.max_filler),
+               "--sentences", str(args.sentences), "--latencies", *args.latencies]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
@@ -282,7 +295,9 @@ def run_child(engine: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
-    p.add_argument("--latencies", nargs="+", default=["tail", "instant"], choices=["tail", "instant"])
+    p.add_argument("--latencies", nargs="+", default=["tail", "instant"], choices=["tail", "lognormal", "instant"])
+    p.add_argument("--max-filler", type=int, default=44, help="a turn's filler tokens before its action: 2 to this")
+    p.add_argument("--sentences", type=int, default=1, help="a search result's text: this many sentences (~16 tokens each)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n", type=int, default=4)
@@ -296,7 +311,8 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    print(f"{args.prompts} prompts x {args.n} samples, at most 4 turns of 64 tokens, float32, {args.rounds} rounds")
+    print(f"{args.prompts} prompts x {args.n} samples, at most 4 turns of 64 tokens (filler 2-{args.max_filler}), "
+          f"results of {args.sentences} sentence(s), float32, {args.rounds} rounds")  # fmt: skip
     for engine in args.engines:
         result = run_child(engine, args)
         for profile in args.latencies:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from test_chat import EXPECTED_DELTA, chat_tokenizer
 
 from grouprl.config import AgentConfig, load_config
@@ -31,6 +32,8 @@ PARAMS = SamplingParams(max_new_tokens=60, temperature=1.0)
 
 
 class ScriptedEngine:
+    device = torch.device("cpu")
+
     def __init__(self, tokenizer, policy):
         self.tokenizer, self.policy = tokenizer, policy
         self.prefill_tokens = 0

@@ -27,6 +27,8 @@ PAGE = (112, 56)  # left half red, right half blue; shown to the tiny Qwen-VL as
 class ScriptedVisionEngine:
     """Turns come from `script(turn)`; sessions record what the loop feeds each row."""
 
+    device = torch.device("cpu")
+
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script = tokenizer, script
         self.prefill_tokens = 0

@@ -216,8 +216,8 @@ class AgentLoop:
     async def _by_trajectory(self, rollouts, session: Session, params, generator, groups: Groups, clock: Clock) -> None:
         """Each trajectory on its own (see the module docstring). A failure anywhere (a tool that
         raises a UserError, the engine) ends every trajectory and releases every row."""
-        driver = TurnDriver(session, params, generator, clock, vision=self.vision is not None)
-        answers = _AnswerQueue(self, groups)
+        driver = TurnDriver(session, params, generator, clock, self.vision is not None, self.engine.device)
+        answers = _AnswerQueue(self, groups, driver)
         stepping = asyncio.create_task(driver.run())
         trajectories = [asyncio.create_task(self._trajectory(k, r, driver, answers, clock)) for k, r in enumerate(rollouts)]
         try:
@@ -227,9 +227,7 @@ class AgentLoop:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.gather(*trajectories, stepping, return_exceptions=True)
-            for k, r in enumerate(rollouts):
-                if not r.released:
-                    session.release(k)
+            driver.close([k for k, r in enumerate(rollouts) if not r.released])
 
     async def _trajectory(self, k: int, r: Rollout, driver: TurnDriver, answers: _AnswerQueue, clock: Clock) -> None:
         """Trajectory `k`'s turns, then its answer."""
@@ -244,7 +242,7 @@ class AgentLoop:
             if nxt is None:
                 break
             new_tokens, new_images = nxt
-        driver.session.release(k)
+        driver.release(k)
         r.released = True
         await answers.finish(r)
 
@@ -367,12 +365,13 @@ class AgentLoop:
         self._write_answers(due, await self.answer_generator.answer(requests), groups)
         return []
 
-    async def _answers_of(self, rollouts: list[Rollout]) -> list[AnswerResult]:
-        """The frozen generator's answers for `rollouts` (a remote one on a worker thread)."""
+    async def _answers_of(self, rollouts: list[Rollout], driver: TurnDriver) -> list[AnswerResult]:
+        """The frozen generator's answers for `rollouts`: a remote one on a worker thread, a local
+        one on the engine's thread (between two steps: it may be the policy's own engine)."""
         requests = [AnswerRequest(question(r.state.sample), r.evidence) for r in rollouts]
         if isinstance(self.answer_generator, OpenAIAnswerGenerator):
             return await asyncio.wrap_future(self._remote(requests))
-        return await self.answer_generator.answer(requests)
+        return await driver.in_engine(lambda: asyncio.run(self.answer_generator.answer(requests)))
 
     def _remote(self, requests: list[AnswerRequest]) -> concurrent.futures.Future:
         """A remote generator's call on a worker thread (its own event loop)."""
@@ -417,8 +416,8 @@ class _AnswerQueue:
     one per trajectory; a remote one gets them together, on a worker thread). `finish` returns
     when the trajectory is final."""
 
-    def __init__(self, loop: AgentLoop, groups: Groups):
-        self.loop, self.groups = loop, groups
+    def __init__(self, loop: AgentLoop, groups: Groups, driver: TurnDriver):
+        self.loop, self.groups, self.driver = loop, groups, driver
         self.due: list[tuple[Rollout, asyncio.Future]] = []
         self.flushing: asyncio.Task | None = None
 
@@ -438,7 +437,7 @@ class _AnswerQueue:
         due, self.due, self.flushing = self.due, [], None
         rollouts = [r for r, _ in due]
         try:
-            results = await self.loop._answers_of(rollouts)
+            results = await self.loop._answers_of(rollouts, self.driver)
             self.loop._write_answers(rollouts, results, self.groups)
         except BaseException as e:  # noqa: BLE001 - each waiting trajectory raises it
             for _, future in due:

@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import grouprl.rollout.engines.hf as hf
 from grouprl import cpu
+from grouprl.rollout.engines import sampling
 from grouprl.rollout.engines.base import Generation, SamplingParams
 from grouprl.rollout.engines.streams import Randomness, for_rows
 
@@ -42,7 +42,7 @@ class KVSession:
     the row's next feed. Assumes full attention (no sliding window shorter than the context).
     """
 
-    def __init__(self, engine: hf.HFEngine, prompts: list[list[int]], n: int, images: list[list] | None = None):
+    def __init__(self, engine, prompts: list[list[int]], n: int, images: list[list] | None = None):
         self.engine, self.prompts, self.n = engine, prompts, n
         self.images = images  # per prompt, for a VLM policy
         rows = len(prompts) * n
@@ -141,7 +141,7 @@ class KVSession:
         past_mask = (
             torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
         ).long()  # [A, W]
-        feed_ids, feed_mask = hf.left_pad(feeds, engine.pad_token_id, device)
+        feed_ids, feed_mask = sampling.left_pad(feeds, engine.pad_token_id, device)
         attention_mask = torch.cat([past_mask, feed_mask], dim=-1)
         inputs, position_ids, next_pos = engine._inputs(
             feed_ids, feed_mask, feed_images, [self.next_pos[r] for r in rows]
@@ -184,8 +184,11 @@ class _SlotLayer(DynamicLayer):
         if key_states.shape[-2] != 1:
             raise ValueError("a running batch takes one token a row: rows join through their own prefill")
         slots, cols = b.slots[: b.size], b.cols[: b.size]
-        b.keys[self.index][slots, :, cols] = key_states[:, :, 0]  # [A, H, D] at each row's column
-        b.values[self.index][slots, :, cols] = value_states[:, :, 0]
+        keys, values = b.keys[self.index], b.values[self.index]
+        # [A, H, D] at each row's column, in the cache's dtype (the prefill's: under autocast the
+        # step's may be lower, and a plain cache layer's in-place write casts the same way)
+        keys[slots, :, cols] = key_states[:, :, 0].to(keys.dtype)
+        values[slots, :, cols] = value_states[:, :, 0].to(values.dtype)
         self._view()
         return self.keys, self.values
 
@@ -288,6 +291,9 @@ class _Batch:
         return out.logits[:, -1, :]
 
 
+ADMIT_WAIT = 3  # steps a queued turn may wait to share its prefill with turns queued after it
+
+
 class _Turn:
     """A running turn: its row, settings, what it sampled so far."""
 
@@ -312,6 +318,7 @@ class RunningSession(KVSession):
         self.running: list[_Turn] = []  # slot i's turn
         self.logits: torch.Tensor | None = None  # [A, V] the running rows' next-token logits
         self.turns = [0] * len(self.parked)  # turns each row has started
+        self.waited = 0  # steps the queued turns have waited
 
     def submit(self, row, new_tokens, params, generator=None, new_images=None) -> None:
         if generator is not None:
@@ -344,10 +351,17 @@ class RunningSession(KVSession):
         super().release(row)
 
     def _admit(self) -> None:
-        """Prefill the queued turns (together) and let them join the running batch."""
+        """Prefill the queued turns (together) and let them join the running batch: at once when
+        nothing runs or as many are queued as run, else after ADMIT_WAIT steps (a prefill pass
+        costs a decode step's read of every weight, whatever its rows: turns that come back a
+        step or two apart share one)."""
         engine = self.engine
         if not self.queued or (engine.offers.pending and self.running):
             return  # nothing to admit, or newer weights wait for the running turns to end
+        self.waited += 1
+        if self.running and len(self.queued) < len(self.running) and self.waited <= ADMIT_WAIT:
+            return
+        self.waited = 0
         engine.between_turns()
         queued, self.queued = sorted(self.queued, key=lambda turn: turn[0]), []
         rows = [turn[0] for turn in queued]
@@ -373,7 +387,7 @@ class RunningSession(KVSession):
             index = torch.tensor(slots, device=self.logits.device)
             logits = self.logits if len(slots) == len(rows) else self.logits[index]
             draw = for_rows(self.generator, [rows[i] for i in slots])
-            tokens[index] = hf.sample_next(logits, params, draw, engine._banned(logits))
+            tokens[index] = sampling.sample_next(logits, params, draw, engine._banned(logits))
         return tokens
 
     def _by_sampling(self) -> list[tuple[SamplingParams, list[int]]]:

@@ -38,7 +38,6 @@ imported) for the weight push to reach the model without serialising it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import time
@@ -55,7 +54,8 @@ from grouprl.rollout.engines.base import (
     WeightOffers,
     rollout_phase,
 )
-from grouprl.rollout.engines.streams import Randomness, RowStreams
+from grouprl.rollout.engines.sampling import request_seeds, seeded
+from grouprl.rollout.engines.streams import Randomness
 from grouprl.rollout.engines.vllm_ranks import beside_ranks, launcher_env
 from grouprl.rollout.engines.vllm_shims import (
     guard_kernel_scan,
@@ -102,29 +102,6 @@ def import_vllm():
         raise ModelLoadError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
     guard_kernel_scan()
     return vllm
-
-
-def request_seeds(generator: Randomness, prompts: int, n: int) -> list[int] | None:
-    """vLLM's seed for each of `prompts` requests of n samples (vLLM seeds a request's sample j
-    with seed + j). From row streams: one draw of each request's first row, so a group's samples
-    depend on its rows' keys alone, not on the call's other requests, its batching or the rank
-    that runs it. From a torch generator: drawn in order. None: vLLM's own randomness."""
-    if isinstance(generator, RowStreams):
-        if len(generator) != prompts * n:
-            raise ValueError(f"{len(generator)} row streams for {prompts} prompts x {n} samples")
-        draws = generator.select([i * n for i in range(prompts)]).uniform(dtype=torch.float64)
-        return [int(u * (2**31 - 1)) for u in draws.tolist()]
-    if generator is not None:
-        return torch.randint(0, 2**31 - 1, (prompts,), generator=generator).tolist()
-    return None
-
-
-def _seeded(sampling, seed: int):
-    """`sampling` for one request seeded with `seed` (a shallow copy, as vLLM's own `clone`
-    makes where it may)."""
-    params = copy.copy(sampling)
-    params.seed = seed
-    return params
 
 
 def logprobs_mode(cfg: Any) -> str:
@@ -429,7 +406,7 @@ class VLLMEngine:
             inputs = self.images.inputs(self.llm, prompts, images)
         else:
             inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-        ids = [self.add_request(request, sampling if seeds is None else _seeded(sampling, seeds[i])) for i, request in enumerate(inputs)]
+        ids = [self.add_request(request, sampling if seeds is None else seeded(sampling, seeds[i])) for i, request in enumerate(inputs)]
         index = {rid: i for i, rid in enumerate(ids)}
         while len(done) < len(ids):
             if not self.llm.llm_engine.has_unfinished_requests() and not any(rid in self._finished for rid in index):

@@ -18,8 +18,8 @@ gives a request's sample j that seed), so both schedules give a row the same see
 from __future__ import annotations
 
 from grouprl.rollout.engines.base import Generation, ReprefillSession, SamplingParams, rollout_phase
+from grouprl.rollout.engines.sampling import request_seeds, seeded
 from grouprl.rollout.engines.streams import Randomness, for_rows
-from grouprl.rollout.engines.vllm import _seeded, request_seeds
 
 
 class VLLMSession(ReprefillSession):
@@ -77,7 +77,7 @@ class VLLMSession(ReprefillSession):
             inputs = [{"prompt_token_ids": list(c)} for c in contexts]
         for k, ((row, params), request) in enumerate(zip(waiting, inputs)):
             sampling = engine._params(1, params)
-            rid = engine.add_request(request, sampling if seeds is None else _seeded(sampling, seeds[k]))
+            rid = engine.add_request(request, sampling if seeds is None else seeded(sampling, seeds[k]))
             self.requests[rid] = (row, engine.policy_version)
         engine.prefill_tokens += sum(len(c) for c in contexts)
         engine.running_turns += len(rows)
