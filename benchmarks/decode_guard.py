@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/decode_guard.py                        # ed3dff3 vs this tree, 2 rounds
     .venv/bin/python benchmarks/decode_guard.py --commit ed3dff3 --rounds 3 --steps 3
+    .venv/bin/python benchmarks/decode_guard.py --against main    # ed3dff3 vs main's commit
 
-The older commit is checked out with `git worktree add --detach` into a temporary folder (removed
+The older commit (and `--against`'s, in place of this tree) is checked out with `git worktree add --detach` into a temporary folder (removed
 at the end); each run is `grouprl train` of the default recipe in float32 (no baseline
 evaluation, 8 held-out prompts, no checkpoint between steps) in a process of its own, imported
 from that tree's `src/` with the same Python environment. Rounds alternate the order (the older
@@ -59,29 +60,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="steps per run (steps 2.. are measured)")
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--against", help="a commit to measure in place of this tree")
     args = parser.parse_args()
     if args.steps < 2:
         sys.exit("--steps must be at least 2 (step 1 is a warm-up)")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    here = f"{head}{'+changes' if dirty else ''}"
+    here = args.against or f"{head}{'+changes' if dirty else ''}"
     results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="grouprl-guard-") as tmp:
         old_tree = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.commit], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
+        new_tree = Path(tmp) / "new" if args.against else ROOT
+        for tree, commit in ((old_tree, args.commit), (new_tree, args.against)):
+            if tree != ROOT:
+                subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT, check=True,
+                               capture_output=True)  # fmt: skip
         try:
             for r in range(args.rounds):
                 order = ("old", "new") if r % 2 == 0 else ("new", "old")
                 for side in order:
-                    tree = old_tree if side == "old" else ROOT
+                    tree = old_tree if side == "old" else new_tree
                     res = run(tree, Path(tmp) / "runs", f"{side}{r}", args.steps, args.python)
                     results[side].append(res)
                     label = args.commit if side == "old" else here
                     print(f"round {r} {label:>14}: {res['tokens_per_s']:7.1f} tokens/s  generate "
                           f"{res['generate_s']:.2f} s  length {res['length']:.1f}", flush=True)  # fmt: skip
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, capture_output=True)
+            for tree in {old_tree, new_tree} - {ROOT}:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
     print(f"\nmedians over {args.rounds} runs a side, steps 2-{args.steps}, float32:")
     for key, unit in (("tokens_per_s", "tokens/s"), ("generate_s", "s generate"), ("length", "tokens a response")):
