@@ -22,11 +22,11 @@ from grouprl.cpu.small_matmul import _sliced_product, _transposed_product
 SHAPES = {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30, (49152, 576): 1}
 
 
-def best(fn, n: int = 15) -> float:
+def best(product, x, w, n: int = 15) -> float:
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        fn()
+        product(x, w, None)
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -39,10 +39,10 @@ def main() -> None:
         differs = False
         for shape, count in SHAPES.items():
             w, x = torch.randn(shape) * 0.02, torch.randn(rows, shape[1])
-            u = best(lambda: F.linear(x, w))
+            u = best(F.linear, x, w)
             usual += u * count
-            transposed += min(u, best(lambda: _transposed_product(x, w, None))) * count
-            sliced += (min(u, best(lambda: _sliced_product(x, w, None))) if shape[0] >= 4096 else u) * count
+            transposed += min(u, best(_transposed_product, x, w)) * count
+            sliced += (min(u, best(_sliced_product, x, w)) if shape[0] >= 4096 else u) * count
             differs |= not torch.equal(F.linear(x, w), _transposed_product(x, w, None))
         print(f"rows {rows:3d}: usual {usual * 1e3:7.2f}  transposed where faster {transposed * 1e3:7.2f}  "
               f"sliced head {sliced * 1e3:7.2f}  transposed bitwise equal: {not differs}")  # fmt: skip
