@@ -194,9 +194,10 @@ def colours(n: int, seed: int = 0, size: tuple[int, int] = (56, 56)):
 class ForcedTurns:
     """Turn k of every trajectory is `scripts[k]` while there is one, then sampled as usual: the
     built-in engine draws the scripted token in place of the sampled one and reports the model's
-    log-prob of it, so a tiny random policy takes real actions in the agent loop. A turn is one
-    generate call of a session (every row of it starts together: the position in the turn is
-    the decode step); opening a session starts again at turn 0."""
+    log-prob of it, so a tiny random policy takes real actions in the agent loop. In lock step a
+    turn is one generate call of a session (every row of it starts together: the position in
+    the turn is the decode step); one trajectory at a time, each running turn knows its row's
+    turn and how far it is (opening a session starts again at turn 0)."""
 
     def __init__(self, tokenizer, scripts):
         self.ids = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in scripts]
@@ -204,8 +205,10 @@ class ForcedTurns:
 
     def install(self, monkeypatch):
         import grouprl.rollout.engines.hf as hf
+        from grouprl.rollout.engines.hf_session import RunningSession
 
         real_open, real_decode, real_sample = hf.HFEngine.open_session, hf.HFEngine._decode, hf.sample_next
+        real_draw = RunningSession._draw
         forced = self
 
         def open_session(engine, *args, **kwargs):
@@ -224,6 +227,15 @@ class ForcedTurns:
             forced.position += 1
             return drawn
 
+        def draw(session):
+            drawn = real_draw(session)  # the rows' streams advance as usual
+            for i, turn in enumerate(session.running):
+                if turn.index < len(forced.ids):
+                    script = forced.ids[turn.index]
+                    drawn[i] = script[min(len(turn.tokens), len(script) - 1)]
+            return drawn
+
+        monkeypatch.setattr(RunningSession, "_draw", draw)
         monkeypatch.setattr(hf.HFEngine, "open_session", open_session)
         monkeypatch.setattr(hf.HFEngine, "_decode", decode)
         monkeypatch.setattr(hf, "sample_next", sample_next)

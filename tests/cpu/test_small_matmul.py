@@ -1,5 +1,5 @@
 """The decode-time linear layers: every call gives F.linear's numbers bitwise (trials return the
-usual form's result, and the other form is kept only where it matched it bitwise), the measured
+usual form's result, and another form is kept only where it matched it bitwise), the measured
 choice is fixed after its trials, and nothing outside the `with` block (or with gradients on)
 changes."""
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from grouprl.cpu import small_matmul
-from grouprl.cpu.small_matmul import MAX_ROWS, TRIALS, small_batch_linear
+from grouprl.cpu.small_matmul import MAX_ROWS, SLICE, TRIALS, small_batch_linear
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,8 @@ def test_trials_take_both_forms_then_the_faster_is_fixed(monkeypatch, usual_cost
             layer(x)
         assert calls == ["usual", "transposed", "transposed", "usual"] * (TRIALS // 2)
         key = ((40, 24), 8, torch.float64, None)
-        assert small_matmul._CHOICE == {key: transposed_wins} and small_matmul._TRIALS == {}
+        assert small_matmul._CHOICE == {key: "transposed" if transposed_wins else "usual"}
+        assert small_matmul._TRIALS == {}
         for _ in range(3):
             layer(x)
     assert calls[2 * TRIALS :] == ["transposed" if transposed_wins else "usual"] * 3
@@ -93,15 +94,40 @@ def test_a_faster_form_that_moves_a_number_by_one_ulp_is_never_kept(monkeypatch)
     want = torch.nn.functional.linear(x, layer.weight, layer.bias)
     with torch.no_grad(), small_batch_linear(layer):
         outs = [layer(x) for _ in range(TRIALS + 3)]
-    assert small_matmul._CHOICE == {((40, 24), 8, torch.float64, None): False}
+    assert small_matmul._CHOICE == {((40, 24), 8, torch.float64, None): "usual"}
     assert calls[2 * TRIALS :] == ["usual"] * 3
     assert all(torch.equal(out, want) for out in outs)  # the trials returned the usual form's numbers
+
+
+@pytest.mark.parametrize("sliced_matches", [True, False])
+def test_a_head_of_many_outputs_also_tries_its_product_in_slices(monkeypatch, sliced_matches):
+    """A weight of 4 slices or more has a third form, the usual product slice by slice: its
+    numbers are the usual form's (real products), and it is kept when fastest and equal."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(24, 4 * SLICE + 7, bias=True, dtype=torch.float64)  # a last, short slice
+    x = torch.randn(3, 24, dtype=torch.float64)
+    want = F.linear(x, head.weight, head.bias)
+    assert torch.equal(small_matmul._sliced_product(x, head.weight, head.bias), want)
+    assert small_matmul._forms(head.weight) == ["usual", "transposed", "sliced"]
+    assert small_matmul._forms(linear().weight) == ["usual", "transposed"]
+    calls = fake_forms(monkeypatch, usual_cost=5, transposed_cost=3)
+
+    def sliced(*args):  # free on the fake clock: the fastest
+        calls.append("sliced")
+        return want.clone() if sliced_matches else torch.nextafter(want, torch.full_like(want, float("inf")))
+
+    monkeypatch.setattr(small_matmul, "_sliced_product", sliced)
+    with torch.no_grad(), small_batch_linear(head):
+        outs = [head(x) for _ in range(TRIALS + 2)]
+    key = ((4 * SLICE + 7, 24), 3, torch.float64, None)
+    assert small_matmul._CHOICE == {key: "sliced" if sliced_matches else "transposed"}
+    assert all(torch.equal(out, want) for out in outs)
 
 
 @pytest.mark.parametrize("transposed_wins", [True, False])
 def test_the_recorded_choice_is_used(counted, transposed_wins):
     layer, x = linear(), torch.randn(5, 24, dtype=torch.float64)
-    small_matmul._CHOICE[((40, 24), 5, torch.float64, None)] = transposed_wins
+    small_matmul._CHOICE[((40, 24), 5, torch.float64, None)] = "transposed" if transposed_wins else "usual"
     with torch.no_grad(), small_batch_linear(layer):
         for _ in range(4):
             layer(x)
@@ -110,8 +136,8 @@ def test_the_recorded_choice_is_used(counted, transposed_wins):
 
 def test_large_inputs_and_gradient_mode_take_f_linear(counted):
     layer = linear()
-    small_matmul._CHOICE[((40, 24), MAX_ROWS + 1, torch.float64, None)] = True
-    small_matmul._CHOICE[((40, 24), 4, torch.float64, None)] = True
+    small_matmul._CHOICE[((40, 24), MAX_ROWS + 1, torch.float64, None)] = "transposed"
+    small_matmul._CHOICE[((40, 24), 4, torch.float64, None)] = "transposed"
     with small_batch_linear(layer):
         with torch.no_grad():
             layer(torch.randn(MAX_ROWS + 1, 24, dtype=torch.float64))

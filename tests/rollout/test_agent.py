@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from test_chat import EXPECTED_DELTA, chat_tokenizer
 
 from grouprl.config import AgentConfig, load_config
@@ -26,12 +27,15 @@ from grouprl.rollout.agent_prompts import LAST_TURN, PROTOCOL, PROTOCOL_SELF_ANS
 from grouprl.rollout.answer import AnswerResult
 from grouprl.rollout.chat import ChatRenderer
 from grouprl.rollout.engines import Generation, ReprefillSession, SamplingParams
+from grouprl.rollout.engines.base import TurnsAtEachStep
 from grouprl.rollout.tools.base import Observation
 
 PARAMS = SamplingParams(max_new_tokens=60, temperature=1.0)
 
 
 class ScriptedEngine:
+    device = torch.device("cpu")
+
     def __init__(self, tokenizer, policy):
         self.tokenizer, self.policy = tokenizer, policy
         self.prefill_tokens = 0
@@ -59,7 +63,7 @@ class ScriptedEngine:
         return ScriptedSession(self, prompts, n) if reuse_cache else ReprefillSession(self, prompts, n)
 
 
-class ScriptedSession:
+class ScriptedSession(TurnsAtEachStep):
     def __init__(self, engine, prompts, n):
         self.engine = engine
         self.contexts = [list(prompts[k // n]) for k in range(len(prompts) * n)]
@@ -77,6 +81,7 @@ class ScriptedSession:
 
     def release(self, row):
         self.released.add(row)
+        self.forget(row)
 
 
 class FakeSearch:

@@ -19,6 +19,7 @@ from grouprl.config import AgentConfig
 from grouprl.data.sample import Sample
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.engines.hf import HFEngine, SamplingParams
+from grouprl.rollout.engines.streams import RowStreams
 from helpers import random_prompts, tiny_config
 
 QUESTIONS = ["Who wrote it", "Name the river", "2+2"]
@@ -85,15 +86,18 @@ def test_greedy_reuse_equals_reprefill_and_prefills_less(policy):
     assert reuse_fed + 250 < again_fed  # counted independently, padding included
 
 
-def test_seeded_sampling_reuse_equals_reprefill(policy):
-    """Both paths draw from the generator in the same order over the same rows."""
+@pytest.mark.parametrize("schedule", ["turn", "trajectory"])
+def test_seeded_sampling_reuse_equals_reprefill(policy, schedule):
+    """Both paths draw the same numbers for the same rows: in lock step from one generator in
+    batch order; one trajectory at a time from each row's own stream (its turns join a running
+    batch with KV reuse; without, the turns queued at a step run together)."""
     params = SamplingParams(max_new_tokens=10, temperature=1.0, stop=["a", "e", "o"])
-    reused, _, _ = run_loop(
-        policy, True, params, n=2, generator=torch.Generator().manual_seed(1), max_turns=3
-    )
-    again, _, _ = run_loop(
-        policy, False, params, n=2, generator=torch.Generator().manual_seed(1), max_turns=3
-    )
+
+    def randomness():
+        return torch.Generator().manual_seed(1) if schedule == "turn" else RowStreams(1, range(2 * len(QUESTIONS)))
+
+    reused, _, _ = run_loop(policy, True, params, n=2, generator=randomness(), max_turns=3, schedule=schedule)
+    again, _, _ = run_loop(policy, False, params, n=2, generator=randomness(), max_turns=3, schedule=schedule)
     assert [t.response_ids for t in reused] == [t.response_ids for t in again]
     assert {r["finish_reason"] for t in reused for r in t.turns} == {"stop", "eos", "length"}
     assert len({tuple(t.response_ids) for t in reused}) == 2 * len(QUESTIONS)  # every sample its own

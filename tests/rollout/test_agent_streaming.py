@@ -8,6 +8,7 @@ callback records how many turns had been generated when it fired.
 
 import asyncio
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -97,7 +98,7 @@ class CountingEngine(ScriptedEngine):
 def make(answers=None, turn_seconds=0.0, cfg=None, tokenizer=None):
     tokenizer = tokenizer or chat_tokenizer("chatml")
     engine = CountingEngine(tokenizer, staggered, turn_seconds)
-    cfg = cfg or AgentConfig()
+    cfg = dataclasses.replace(cfg or AgentConfig(), schedule="turn")  # turns counted as generate calls
     answers = FakeAnswers() if answers is None and cfg.answer_generator != "openai" else answers
     return AgentLoop(engine, tokenizer, {"search": FakeSearch(delay=0.0)}, cfg, answers)
 

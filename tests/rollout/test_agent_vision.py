@@ -13,6 +13,7 @@ from grouprl.config import AgentConfig
 from grouprl.data.sample import Sample
 from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.engines import Generation, SamplingParams
+from grouprl.rollout.engines.base import TurnsAtEachStep
 from grouprl.rollout.tools.base import Observation
 from grouprl.rollout.tools.crop import CropTool
 from grouprl.trainer.logprobs import response_log_probs
@@ -26,6 +27,8 @@ PAGE = (112, 56)  # left half red, right half blue; shown to the tiny Qwen-VL as
 class ScriptedVisionEngine:
     """Turns come from `script(turn)`; sessions record what the loop feeds each row."""
 
+    device = torch.device("cpu")
+
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script = tokenizer, script
         self.prefill_tokens = 0
@@ -34,7 +37,7 @@ class ScriptedVisionEngine:
     def open_session(self, prompts, n, reuse_cache=True, images=None):
         engine = self
 
-        class Session:
+        class Session(TurnsAtEachStep):
             turns = [0] * (len(prompts) * n)
 
             def generate(self, rows, new_tokens, params, generator=None, new_images=None):
@@ -48,7 +51,7 @@ class ScriptedVisionEngine:
                 return out
 
             def release(self, row):
-                pass
+                self.forget(row)
 
         return Session()
 

@@ -278,7 +278,7 @@ class MultinomialSpy:
     """Records the probabilities sample_next hands to its sampler."""
 
     def __init__(self, monkeypatch):
-        from grouprl.rollout.engines import hf as hf_engine
+        from grouprl.rollout.engines import sampling as hf_engine
 
         self.probs = []
         real = hf_engine._inverse_cdf_sample
@@ -292,7 +292,7 @@ class MultinomialSpy:
 
 def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
     """Zero-probability tokens first, in the middle and last are never drawn; frequencies match."""
-    from grouprl.rollout.engines.hf import _inverse_cdf_sample
+    from grouprl.rollout.engines.sampling import _inverse_cdf_sample
 
     probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     draws = _inverse_cdf_sample(probs.repeat(20000, 1), torch.Generator().manual_seed(0)).view(20000, 2)
@@ -460,7 +460,7 @@ def test_the_config_builds_the_engine_and_both_session_kinds_continue_alike(mode
     one that re-feeds whole conversations give the same greedy turns."""
     from grouprl.config import RolloutConfig
     from grouprl.rollout.engines import ReprefillSession, build_engine
-    from grouprl.rollout.engines.hf import KVSession
+    from grouprl.rollout.engines.hf_session import KVSession
 
     model, tokenizer = model_and_tokenizer
     engine = build_engine(RolloutConfig(share_prompt_prefill=False, gen_batch_size=6), model, tokenizer)

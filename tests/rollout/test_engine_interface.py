@@ -18,13 +18,13 @@ from helpers import tiny_model_and_tokenizer
 from trainer.tiny import tiny_model_dir, write_run_config
 
 # every member callers may ask for, beyond generation
-ASKED = ["reads_trainer_weights", "push_seconds", "last_sleep_freed_bytes", "close"]
+ASKED = ["reads_trainer_weights", "push_seconds", "last_sleep_freed_bytes", "policy_version", "close", "offer_weights"]
 
 
 def test_the_interface_declares_what_callers_ask():
     declared = set(RolloutEngine.__annotations__) | {n for n in vars(RolloutEngine) if not n.startswith("_")}
     assert set(ASKED) <= declared
-    for name in ASKED[:3]:  # each data member documented where it is declared
+    for name in ASKED[:4]:  # each data member documented where it is declared
         assert name in RolloutEngine.__annotations__
 
 
@@ -39,6 +39,29 @@ def test_the_built_in_engine_reads_the_trainers_weights_and_pushes_nothing():
     assert engine.push_seconds == 0.0 and engine.last_sleep_freed_bytes == 0
     engine.close()
     assert len(engine.generate([[3, 4]], 1, SamplingParams(max_new_tokens=2))) == 1  # close ended nothing
+
+
+def test_offered_weights_are_taken_before_the_next_call_and_name_its_version():
+    """offer_weights (from any thread) waits until the engine runs no turn: the next call takes
+    the newest offer into the model and its generations carry that version; an offer no newer
+    than what the engine holds is dropped."""
+    model, tokenizer = tiny_model_and_tokenizer(dtype=torch.float64, seed=0)
+    engine = HFEngine(model, tokenizer)
+    params = SamplingParams(max_new_tokens=3)
+    engine.weights_updated(model, 3)
+    assert [g.version for g in engine.generate([[3, 4, 5]], 2, params)] == [3, 3]
+    name, weight = next(iter(model.named_parameters()))
+    before = weight.detach().clone()
+    engine.offer_weights(5, {name: torch.zeros_like(weight)})
+    engine.offer_weights(4, {name: before + 2})  # older than the offer waiting: ignored
+    assert engine.policy_version == 3 and torch.equal(weight, before)  # nothing taken between calls
+    assert [g.version for g in engine.generate([[3, 4, 5]], 2, params)] == [5, 5]
+    assert engine.policy_version == 5 and not weight.any()
+    engine.offer_weights(5, {name: before})  # not newer than the engine's: dropped
+    engine.generate([[3, 4]], 1, params)
+    assert engine.policy_version == 5 and not weight.any()
+    engine.weights_updated(model)  # a synchronous update names no version
+    assert engine.generate([[3, 4]], 1, params)[0].version is None
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

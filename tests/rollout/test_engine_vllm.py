@@ -233,6 +233,43 @@ def test_an_agent_episode_on_vllm_has_the_hf_engines_tokens_and_masks(tmp_path):
     assert all(t.rollout_log_probs is None for t in hf)
 
 
+def test_the_agent_on_vllm_samples_the_same_trajectories_in_both_schedules(tmp_path):
+    """One request per turn, joining vLLM's running batch (trajectory) or one generate call per
+    turn (turn): each turn's request is seeded from its row's stream either way (a prompt's n
+    first turns as one request of n samples, seed + j, or as n requests of one), so sampling
+    at temperature 1 gives the same tokens; the engine holds no request afterwards."""
+    from test_chat import chat_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from grouprl.config import AgentConfig
+    from grouprl.data.sample import Sample
+    from grouprl.rollout.agent import AgentLoop
+    from grouprl.rollout.engines.streams import RowStreams
+    from grouprl.rollout.engines.vllm import VLLMEngine
+    from helpers import tiny_config
+
+    tokenizer = chat_tokenizer("chatml")
+    config = tiny_config("llama", vocab_size=len(tokenizer), initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, **TINY)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    batch = [Sample(uid=f"u{i}", messages=[{"role": "user", "content": q}]) for i, q in enumerate(["Who wrote it", "2+2"])]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop=["D", "r"])
+    engine = VLLMEngine(model, tokenizer, str(tmp_path), EngineSettings)
+    runs = {}
+    for schedule in ("turn", "trajectory"):
+        cfg = AgentConfig(system_prompt="Search.", answer_generator="none", max_turns=4, max_response_tokens=150, schedule=schedule)
+        loop = AgentLoop(engine, tokenizer, {}, cfg, None)
+        runs[schedule] = loop.run(batch, loop.encode_prompts(batch), 3, params, RowStreams(5, range(6)))
+        assert engine.running_turns == 0 and not engine.llm.llm_engine.has_unfinished_requests()
+    assert [t.response_ids for t in runs["trajectory"]] == [t.response_ids for t in runs["turn"]]
+    assert [t.loss_mask for t in runs["trajectory"]] == [t.loss_mask for t in runs["turn"]]
+    assert len({tuple(t.response_ids) for t in runs["turn"]}) == 6  # every sample its own
+    assert {"stop", "length"} <= {r["finish_reason"] for t in runs["turn"] for r in t.turns}
+
+
 def test_an_engine_starts_with_llvmlite_loaded(folder):
     """vLLM's CPU build scans every loaded module at start-up; llvmlite's `ffi.lib` (numba, which
     bm25s loads for the retriever) answers any attribute and used to break that scan."""

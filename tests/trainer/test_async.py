@@ -197,26 +197,38 @@ def test_a_killed_fixed_lag_run_resumes_as_the_uninterrupted_one(tmp_path, model
 @pytest.mark.parametrize("engine_process", [False, True])
 def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, index_dir, monkeypatch, engine_process):
     """async_schedule=newest with the agent loop: a version the update publishes while a batch's
-    agents are between turns is taken by their next turn (a partial rollout), each turn records
-    the version it sampled from, and the trajectory's version is its first turn's. In an engine
-    process the turns' contexts stay there while the new weights arrive."""
-    from grouprl.trainer.pipeline import RolloutPipeline
+    agents are between turns is offered to the engine and taken where none of its turns runs (a
+    partial rollout), each turn records the version it sampled from, and the trajectory's version
+    is its first turn's. In an engine process the turns' contexts stay there while the new
+    weights arrive. The agent learns of it from its turns' generations alone."""
+    from grouprl.rollout.engines.hf import HFEngine
+    from grouprl.rollout.engines.process import EngineProcess
+    from grouprl.trainer.step import Collector
 
-    between = RolloutPipeline._between_turns
-    waited, turns = [], {}
+    started, admissions, waited = [], {}, []
+    real_start = Collector.start
 
-    def wait_for_a_newer_version(self):
-        """Before the third batch's second turn, wait (a little) for the update to publish a version."""
-        turns[self.started] = turns.get(self.started, 0) + 1  # `started`: one past the running batch
-        if self.started == 3 and turns[3] == 2:
-            deadline = time.monotonic() + 30
-            with self.cond:
-                while self.newest <= self.loaded and time.monotonic() < deadline:
-                    self.cond.wait(timeout=0.1)
-            waited.append(self.newest)
-        return between(self)
+    def start(self, step, *args, **kwargs):
+        started.append(step)
+        return real_start(self, step, *args, **kwargs)
 
-    monkeypatch.setattr(RolloutPipeline, "_between_turns", wait_for_a_newer_version)
+    def waiting_for_an_offer(real):
+        def between_turns(self):
+            """At the third batch's second admission of turns, wait (a little) for the update's offer."""
+            batch = started[-1] if started else None
+            admissions[batch] = admissions.get(batch, 0) + 1
+            if batch == 3 and admissions[batch] == 2:
+                deadline = time.monotonic() + 30
+                while not self.offers.pending and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                waited.append(self.offers.pending)
+            return real(self)
+
+        return between_turns
+
+    monkeypatch.setattr(Collector, "start", start)
+    for engine_class in (HFEngine, EngineProcess):
+        monkeypatch.setattr(engine_class, "between_turns", waiting_for_an_offer(engine_class.between_turns))
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
     overrides = [
         "agent.enabled=true", f"agent.retriever.index={index_dir}", "agent.max_turns=2", "agent.answer_generator=none",
@@ -227,7 +239,7 @@ def test_newest_weights_reach_an_agent_between_its_turns(tmp_path, model_dir, in
     Trainer(load_config(config, overrides)).fit()
     records = [json.loads(line) for line in (tmp_path / "runs" / "run" / "rollouts.jsonl").read_text().splitlines()]
     partial = [r for r in records if len({t["version"] for t in r["turns"]}) > 1]
-    assert waited and partial, (waited, sorted({(r["step"], tuple(t.get("version") for t in r["turns"])) for r in records}))
+    assert waited == [True] and partial, (waited, sorted({(r["step"], tuple(t.get("version") for t in r["turns"])) for r in records}))
     for r in partial:
         versions = [t["version"] for t in r["turns"]]
         assert versions == sorted(versions) and r["version"] == versions[0]

@@ -35,6 +35,7 @@ class FakeEngine:
 
     reads_trainer_weights = False  # it keeps its own copy: pushes are counted, not gathered
     last_sleep_freed_bytes = 0
+    policy_version = None  # never told one: a synchronous run
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -68,8 +69,11 @@ class FakeEngine:
     def open_session(self, prompts, n, reuse_cache=True, images=None):
         raise NotImplementedError("single-turn runs only")
 
-    def weights_updated(self, model) -> None:
+    def weights_updated(self, model, version=None) -> None:
         self.push_seconds += PUSH_S
+
+    def offer_weights(self, version, weights) -> None:
+        raise NotImplementedError("synchronous runs offer nothing between turns")
 
     def begin_rollout(self) -> None:
         self.phases.append("begin")

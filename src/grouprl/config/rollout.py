@@ -167,6 +167,8 @@ class AgentConfig:
     """System prompt that teaches the action protocol (None = the built-in one)."""
     reuse_kv_cache: bool = True
     """Keep each trajectory's KV cache across turns and prefill only the new tokens."""
+    schedule: Literal["trajectory", "turn"] = "trajectory"
+    """trajectory: each trajectory's next turn joins the engine's running batch as soon as its tool call is back; turn: every turn waits for the slowest generation and tool call of the batch (lock step)."""
     retriever: AgentRetrieverConfig = field(default_factory=AgentRetrieverConfig)
     """Where <search> queries go."""
 

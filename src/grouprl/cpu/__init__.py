@@ -13,7 +13,7 @@ reads the same on a GPU:
 - `lean_memory(model, actor_cfg)`: the allocator's part of `lean_update` alone, for an update
   whose layers FSDP manages (several ranks).
 - `lean_scoring(model, actor_cfg)` around a no-grad scoring pass (old / reference log-probs).
-- `fast_decode(model)` around a decode loop: few-row products in the faster of two equal forms,
+- `fast_decode(model)` around a decode loop: few-row products in the fastest of a few equal forms,
   timed per shape (small_matmul.py).
 
 Each device has its own switch in the actor config (`actor.lean_mlp`, `lean_norm`,
@@ -93,6 +93,6 @@ def lean_scoring(model: torch.nn.Module, cfg: Any) -> contextlib.AbstractContext
 
 
 def fast_decode(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Within the block, a CPU model's plain linear layers take few-row products in their faster
+    """Within the block, a CPU model's plain linear layers take few-row products in their fastest
     form (timed per shape on the first calls); elsewhere nothing changes."""
     return small_batch_linear(model)

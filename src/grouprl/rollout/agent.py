@@ -1,9 +1,18 @@
 """The multi-turn agent loop: the policy searches (and crops) for up to `max_turns` turns, a
 frozen generator answers, and only the policy's own tokens are trained.
 
-One turn, for every trajectory still running, batched:
-  generate until the closing tag of an action -> parse the action -> run the turn's tool calls
-  concurrently -> append the observation -> trajectories that finished leave the batch.
+A turn of one trajectory: generate until the closing tag of an action -> parse the action -> run
+its tool call -> append the observation; the trajectory ends on <search_complete> (or <answer>),
+out of turns or of its response budget. How turns are scheduled (`agent.schedule`):
+- trajectory (each trajectory on its own): a trajectory's next turn is queued in the engine as
+  soon as its observation is ready and joins the running batch at the next decode step
+  (`Session.submit` / `step`, driven by agent_turns.TurnDriver); its tool call runs while the
+  others generate. No turn waits for another trajectory's generation or tool call.
+- turn (lock step): every running trajectory's turn is generated in one call, then every tool
+  call of the turn runs concurrently, then the next turn starts (`Session.generate`).
+Both append the same tokens and write the same records (`_close_turn`); each row samples from
+its own random stream, so they sample the same tokens wherever the engine's numbers for a row
+do not depend on its batch (README, "How a turn is scheduled").
 
 Group replication happens before the loop: there is one `AgentState` per trajectory (B x n),
 nothing is indexed by the B prompts, so a state can never be looked up out of range.
@@ -25,23 +34,26 @@ policy answered itself), or "length" when it never finished (out of turns or of
 `on_unfinished` decides whether the frozen generator still answers).
 
 With `reuse_kv_cache` every trajectory keeps its KV cache between turns (the hf engine's
-KVSession) and a turn prefills only the observation; without it each turn re-prefills the
-conversation. The loop talks to the engine interface only (rollout/engines/base.py).
+sessions) and a turn prefills only the observation; without it each turn re-prefills the
+conversation. The loop talks to the engine interface only (rollout/engines/base.py); each turn
+records the policy version its generation says it sampled from (asynchronous training may hand
+the engine newer weights between two turns: a partial rollout).
 
-Trajectories that end in a turn are answered together at the end of that turn (a remote
-generator on a worker thread, its answers written when they have arrived, while later turns
-generate). A group whose n trajectories are all final is handed to `on_group_done` right away,
-so its rewards can be scored while the other groups are still searching.
+The frozen generator answers a trajectory as soon as it ends (trajectory schedule: those ending
+at the same step in one call) or the trajectories that ended in a turn together (turn schedule);
+a remote generator answers on a worker thread while generation goes on. A group whose n
+trajectories are all final is handed to `on_group_done` right away, so its rewards can be scored
+while the other groups are still searching.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
-import os
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -49,8 +61,19 @@ import torch
 from grouprl.config import AgentConfig
 from grouprl.data.prompts import encode_prompt
 from grouprl.data.sample import Sample
+from grouprl.errors import UserError
 from grouprl.rollout.actions import STOP_STRINGS, Action, parse_action
 from grouprl.rollout.agent_prompts import LAST_TURN, correction, protocol_prompt, with_protocol
+from grouprl.rollout.agent_records import (
+    RECORD_CHARS,
+    GroupCallback,
+    Groups,
+    Rollout,
+    counts,
+    question,
+    turn_record,
+)
+from grouprl.rollout.agent_turns import Clock, TurnDriver
 from grouprl.rollout.answer import (
     AnswerGenerator,
     AnswerRequest,
@@ -59,41 +82,14 @@ from grouprl.rollout.answer import (
     build_answer_generator,
 )
 from grouprl.rollout.chat import ChatRenderer
-from grouprl.rollout.engines.base import Generation, RolloutEngine, SamplingParams
+from grouprl.rollout.engines.base import Generation, RolloutEngine, SamplingParams, Session
 from grouprl.rollout.observation_fit import check_limit, clipped_observation, fit_images, fixed_tokens
 from grouprl.rollout.tools.base import AgentState, Observation, Tool
 from grouprl.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
-RECORD_CHARS = 300  # turn records keep this much of an argument or observation
-
-GroupCallback = Callable[[int, list[Trajectory]], None]
-
-
-@dataclass
-class _Rollout:
-    """One trajectory under construction."""
-
-    state: AgentState
-    trajectory: Trajectory
-    text: list[str] = field(default_factory=list)  # response text pieces, observations marked
-    evidence: list[str] = field(default_factory=list)  # successful tool observations, for the answer
-    needs_answer: bool = False
-    final: bool = False  # nothing will be appended any more (answer written when one was due)
-
-    def append(self, ids: list[int], mask: int, text: str, log_probs: list[float] | None = None) -> None:
-        """Append tokens; `log_probs` are the engine's for a policy segment (mask 1): without
-        them the trajectory has no rollout log-probs at all."""
-        t = self.trajectory
-        t.response_ids.extend(ids)
-        t.loss_mask.extend([mask] * len(ids))
-        if t.rollout_log_probs is not None:
-            if mask and log_probs is None:
-                t.rollout_log_probs = None
-            else:
-                t.rollout_log_probs.extend(log_probs if mask else [0.0] * len(ids))
-        self.text.append(text)
+_Answering = tuple[list[Rollout], concurrent.futures.Future]  # trajectories, their answer call
 
 
 class AgentLoop:
@@ -127,11 +123,7 @@ class AgentLoop:
         self.chat = ChatRenderer(tokenizer, cfg.observation_role)
         check_limit(tokenizer, cfg)
         self.system_prompt = protocol_prompt("none" if self.self_answer else "frozen", cfg.system_prompt)
-        self.stats: dict[str, float] = {}  # the last run's counts, as metrics
-        # called before each turn's generation: the policy version of the weights the turn
-        # samples from (asynchronous training may push newer weights between turns: a partial
-        # rollout), or None; recorded in each turn's record
-        self.before_turn: Callable[[], int | None] | None = None
+        self.stats: dict[str, float] = {}  # the last run's counts and times, as metrics
         self._answer_pool: concurrent.futures.ThreadPoolExecutor | None = None  # remote answer calls
 
     def encode_prompts(self, samples: list[Sample]) -> list[list[int]]:
@@ -159,7 +151,7 @@ class AgentLoop:
         self, samples, prompts, n, params, generator=None, on_group_done=None, images=None
     ) -> list[Trajectory]:
         rollouts = [
-            _Rollout(
+            Rollout(
                 AgentState(sample=samples[i], index=j),
                 Trajectory(
                     sample=samples[i],
@@ -176,67 +168,117 @@ class AgentLoop:
         with_images = {"images": images} if self.vision is not None else {}
         session = self.engine.open_session(prompts, n, reuse_cache=self.cfg.reuse_kv_cache, **with_images)
         prefill_before = self.engine.prefill_tokens
+        groups = Groups(rollouts, n, on_group_done)
+        clock = Clock()
+        if self.cfg.schedule == "trajectory":
+            await self._by_trajectory(rollouts, session, turn_params, generator, groups, clock)
+        else:
+            await self._by_turn(rollouts, session, turn_params, generator, groups, clock)
+        self.stats = {**counts(rollouts, self.engine.prefill_tokens - prefill_before), **clock.metrics()}
+        return [r.trajectory for r in rollouts]
+
+    # ------------------------------------------------------------------ the two schedules
+    async def _by_turn(self, rollouts, session: Session, params, generator, groups: Groups, clock: Clock) -> None:
+        """Lock step: each turn generates every running trajectory's turn in one call, then runs
+        the turn's tool calls concurrently."""
         active = list(range(len(rollouts)))
         new_tokens: list[list[int]] = [[] for _ in rollouts]  # appended since the row's last turn
         new_images: list[list] = [[] for _ in rollouts]  # the images among them (VLM policies)
-        groups = _Groups(rollouts, n, on_group_done)
         answering: list[_Answering] = []  # remote answer calls in flight
-
         for turn in range(self.cfg.max_turns):
             if not active:
                 break
             fed = {"new_images": [new_images[k] for k in active]} if self.vision is not None else {}
-            version = self.before_turn() if self.before_turn is not None else None
-            generations = session.generate(active, [new_tokens[k] for k in active], turn_params, generator, **fed)
+            started = time.perf_counter()
+            generations = session.generate(active, [new_tokens[k] for k in active], params, generator, **fed)
+            clock.engine += time.perf_counter() - started
             answering = self._settle(answering, groups)
             actions = [parse_action(g.text) for g in generations]
             for k, g in zip(active, generations):
                 rollouts[k].append(g.token_ids, 1, g.text, g.log_probs)
             # every tool call of the turn at once: searches wait on I/O, not on each other
-            observations = await asyncio.gather(*(self._act(rollouts[k], a) for k, a in zip(active, actions)))
-
+            observations = await asyncio.gather(
+                *(clock.tool(self._act(rollouts[k], a)) for k, a in zip(active, actions))
+            )
             still_active, ended = [], []
             for k, g, action, obs in zip(active, generations, actions, observations):
-                r = rollouts[k]
-                r.state.turn += 1
-                r.trajectory.turns.append(_turn_record(turn, g, action, obs, version, r.state))
-                if r.trajectory.version is None:
-                    r.trajectory.version = version
-                if r.state.finished:
+                nxt = self._close_turn(rollouts[k], turn, g, action, obs)
+                if nxt is None:
                     session.release(k)
-                    ended.append(r)
-                    continue
-                if turn == self.cfg.max_turns - 1:
-                    self._unfinished(r, "max_turns")
-                    session.release(k)
-                    ended.append(r)
-                    continue
-                ids, text, shown = self._observation(
-                    obs, g, next_is_last=turn + 1 == self.cfg.max_turns - 1, state=r.state, action=action
-                )
-                budget = self.cfg.max_response_tokens
-                if budget and len(r.trajectory.response_ids) + len(ids) >= budget:
-                    self._unfinished(r, "length")
-                    session.release(k)
-                    ended.append(r)
-                    continue
-                r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
-                r.trajectory.response_images.extend(shown)
-                r.trajectory.turns[-1]["masked_tokens"] = len(ids)
-                if "page" in r.trajectory.turns[-1]:  # a search's page: the size the processor showed it at
-                    r.trajectory.turns[-1]["page_size"] = list(r.state.current_image_size)
-                new_tokens[k], new_images[k] = ids, shown
-                still_active.append(k)
+                    ended.append(rollouts[k])
+                else:
+                    new_tokens[k], new_images[k] = nxt
+                    still_active.append(k)
             active = still_active
             answering += await self._answer(ended, groups)
-
         for batch, future in answering:
             self._write_answers(batch, await asyncio.wrap_future(future), groups)
-        self.stats = _stats(rollouts, self.engine.prefill_tokens - prefill_before)
-        return [r.trajectory for r in rollouts]
+
+    async def _by_trajectory(self, rollouts, session: Session, params, generator, groups: Groups, clock: Clock) -> None:
+        """Each trajectory on its own (see the module docstring). A failure anywhere (a tool that
+        raises a UserError, the engine) ends every trajectory and releases every row."""
+        driver = TurnDriver(session, params, generator, clock, self.vision is not None, self.engine.device)
+        answers = _AnswerQueue(self, groups, driver)
+        stepping = asyncio.create_task(driver.run())
+        trajectories = [asyncio.create_task(self._trajectory(k, r, driver, answers, clock)) for k, r in enumerate(rollouts)]
+        try:
+            await asyncio.gather(*trajectories)
+        finally:
+            for task in [*trajectories, stepping]:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.gather(*trajectories, stepping, return_exceptions=True)
+            driver.close([k for k, r in enumerate(rollouts) if not r.released])
+
+    async def _trajectory(self, k: int, r: Rollout, driver: TurnDriver, answers: _AnswerQueue, clock: Clock) -> None:
+        """Trajectory `k`'s turns, then its answer."""
+        new_tokens: list[int] = []
+        new_images: list = []
+        for turn in range(self.cfg.max_turns):
+            g = await driver.generate(k, new_tokens, new_images)
+            action = parse_action(g.text)
+            r.append(g.token_ids, 1, g.text, g.log_probs)
+            obs = await clock.tool(self._act(r, action))
+            nxt = self._close_turn(r, turn, g, action, obs)
+            if nxt is None:
+                break
+            new_tokens, new_images = nxt
+        driver.release(k)
+        r.released = True
+        await answers.finish(r)
 
     # ------------------------------------------------------------------ one turn
-    async def _act(self, r: _Rollout, action: Action) -> Observation | None:
+    def _close_turn(
+        self, r: Rollout, turn: int, g: Generation, action: Action, obs: Observation | None
+    ) -> tuple[list[int], list] | None:
+        """Record turn `turn` (its generation `g`, action and observation) and decide: None when
+        the trajectory has ended (finished, out of turns, or its observation would reach the
+        response budget), else the observation's ids and images, appended, for its next turn."""
+        r.state.turn += 1
+        r.trajectory.turns.append(turn_record(turn, g, action, obs, g.version, r.state))
+        if r.trajectory.version is None:
+            r.trajectory.version = g.version
+        if r.state.finished:
+            return None
+        if turn == self.cfg.max_turns - 1:
+            self._unfinished(r, "max_turns")
+            return None
+        ids, text, shown = self._observation(
+            obs, g, next_is_last=turn + 1 == self.cfg.max_turns - 1, state=r.state, action=action
+        )
+        budget = self.cfg.max_response_tokens
+        if budget and len(r.trajectory.response_ids) + len(ids) >= budget:
+            self._unfinished(r, "length")
+            return None
+        r.append(ids, 0, f"\n<observation>\n{text}\n</observation>\n")
+        r.trajectory.response_images.extend(shown)
+        r.trajectory.turns[-1]["masked_tokens"] = len(ids)
+        if "page" in r.trajectory.turns[-1]:  # a search's page: the size the processor showed it at
+            r.trajectory.turns[-1]["page_size"] = list(r.state.current_image_size)
+        return ids, shown
+
+    # ------------------------------------------------------------------ one turn
+    async def _act(self, r: Rollout, action: Action) -> Observation | None:
         """Carry out a turn's action: an observation to show next, or None when it ended the trajectory."""
         state = r.state
         if action.multiple:
@@ -263,6 +305,8 @@ class AgentLoop:
             return Observation(correction("unknown_action", action.kind), error="unknown_action")
         try:
             obs = await tool(action.argument, state)
+        except UserError:  # the run cannot go on (the search service is down): it stops, in one line
+            raise
         except Exception as e:  # noqa: BLE001 - one broken call must not end the whole batch
             log.exception("the %s tool raised", action.kind)
             obs = Observation(f"The <{action.kind}> action failed.", error=f"{type(e).__name__}")
@@ -297,7 +341,7 @@ class AgentLoop:
         placed, ids = clipped_observation(self.chat, self.tokenizer, obs.text, last, closing, shown, expand, limit)
         return ids, placed, shown
 
-    def _unfinished(self, r: _Rollout, reason: str) -> None:
+    def _unfinished(self, r: Rollout, reason: str) -> None:
         """Out of turns or tokens: flagged truncated; the frozen generator may still answer."""
         r.state.finished, r.state.finish_reason = True, reason
         r.trajectory.finish_reason = "length"
@@ -305,7 +349,7 @@ class AgentLoop:
         r.trajectory.turns[-1]["unfinished"] = reason
 
     # ------------------------------------------------------------------ the frozen answer
-    async def _answer(self, ended: list[_Rollout], groups: _Groups) -> list[_Answering]:
+    async def _answer(self, ended: list[Rollout], groups: Groups) -> list[_Answering]:
         """Answer the trajectories that ended this turn in one call; those that need no answer
         are final now. A local generator answers here (it shares the device with the policy);
         a remote one answers on a worker thread while the next turns generate: its call is
@@ -314,15 +358,27 @@ class AgentLoop:
         groups.final([r for r in ended if not (r.needs_answer and self.answer_generator is not None)])
         if not due:
             return []
-        requests = [AnswerRequest(_question(r.state.sample), r.evidence) for r in due]
+        requests = [AnswerRequest(question(r.state.sample), r.evidence) for r in due]
         if isinstance(self.answer_generator, OpenAIAnswerGenerator):
-            if self._answer_pool is None:
-                self._answer_pool = concurrent.futures.ThreadPoolExecutor(2, "grouprl-answers")
-            return [(due, self._answer_pool.submit(asyncio.run, self.answer_generator.answer(requests)))]
+            return [(due, self._remote(requests))]
         self._write_answers(due, await self.answer_generator.answer(requests), groups)
         return []
 
-    def _settle(self, answering: list[_Answering], groups: _Groups) -> list[_Answering]:
+    async def _answers_of(self, rollouts: list[Rollout], driver: TurnDriver) -> list[AnswerResult]:
+        """The frozen generator's answers for `rollouts`: a remote one on a worker thread, a local
+        one on the engine's thread (between two steps: it may be the policy's own engine)."""
+        requests = [AnswerRequest(question(r.state.sample), r.evidence) for r in rollouts]
+        if isinstance(self.answer_generator, OpenAIAnswerGenerator):
+            return await asyncio.wrap_future(self._remote(requests))
+        return await driver.in_engine(lambda: asyncio.run(self.answer_generator.answer(requests)))
+
+    def _remote(self, requests: list[AnswerRequest]) -> concurrent.futures.Future:
+        """A remote generator's call on a worker thread (its own event loop)."""
+        if self._answer_pool is None:
+            self._answer_pool = concurrent.futures.ThreadPoolExecutor(2, "grouprl-answers")
+        return self._answer_pool.submit(asyncio.run, self.answer_generator.answer(requests))
+
+    def _settle(self, answering: list[_Answering], groups: Groups) -> list[_Answering]:
         """Write the remote answers that have arrived; the calls still out."""
         out = []
         for batch, future in answering:
@@ -332,7 +388,7 @@ class AgentLoop:
                 out.append((batch, future))
         return out
 
-    def _write_answers(self, rollouts: list[_Rollout], results: list[AnswerResult], groups: _Groups) -> None:
+    def _write_answers(self, rollouts: list[Rollout], results: list[AnswerResult], groups: Groups) -> None:
         for r, result in zip(rollouts, results):
             record = {"turn": r.state.turn, "action": "answer", "generator": self.cfg.answer_generator}
             if result.error:
@@ -353,102 +409,41 @@ class AgentLoop:
         groups.final(rollouts)
 
 
-_Answering = tuple[list["_Rollout"], concurrent.futures.Future]  # trajectories, their answer call
+class _AnswerQueue:
+    """The trajectory schedule's frozen answers: a trajectory that ends is answered at once, in
+    one call with those that end at the same step (a local generator runs one batch instead of
+    one per trajectory; a remote one gets them together, on a worker thread). `finish` returns
+    when the trajectory is final."""
 
+    def __init__(self, loop: AgentLoop, groups: Groups, driver: TurnDriver):
+        self.loop, self.groups, self.driver = loop, groups, driver
+        self.due: list[tuple[Rollout, asyncio.Future]] = []
+        self.flushing: asyncio.Task | None = None
 
-class _Groups:
-    """Marks trajectories final and reports each group once, when its last trajectory is."""
+    async def finish(self, r: Rollout) -> None:
+        loop = self.loop
+        if not (r.needs_answer and loop.answer_generator is not None):
+            self.groups.final([r])
+            return
+        future = asyncio.get_running_loop().create_future()
+        self.due.append((r, future))
+        if self.flushing is None:
+            self.flushing = asyncio.create_task(self._flush())
+        await future
 
-    def __init__(self, rollouts: list[_Rollout], n: int, on_group_done: GroupCallback | None):
-        self.rollouts, self.n, self.on_group_done = rollouts, n, on_group_done
-        self.group_of = {id(r): k // n for k, r in enumerate(rollouts)}
-        self.open = [n] * (len(rollouts) // n) if n else []  # trajectories not yet final, per group
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # the trajectories handed their last turn at the same step come first
+        due, self.due, self.flushing = self.due, [], None
+        rollouts = [r for r, _ in due]
+        try:
+            results = await self.loop._answers_of(rollouts, self.driver)
+            self.loop._write_answers(rollouts, results, self.groups)
+        except BaseException as e:  # noqa: BLE001 - each waiting trajectory raises it
+            for _, future in due:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for _, future in due:
+            if not future.done():
+                future.set_result(None)
 
-    def final(self, rollouts: list[_Rollout]) -> None:
-        completed = []
-        for r in rollouts:
-            assert not r.final, "a trajectory is final once"
-            r.final = True
-            r.trajectory.response_text = "".join(r.text)
-            r.trajectory.retrieved = list(r.state.retrieved_ids)
-            g = self.group_of[id(r)]
-            self.open[g] -= 1
-            if self.open[g] == 0:
-                completed.append(g)
-        if self.on_group_done is not None:
-            for g in sorted(completed):
-                self.on_group_done(g, [r.trajectory for r in self.rollouts[g * self.n : (g + 1) * self.n]])
-
-
-def _turn_record(
-    turn: int,
-    g: Generation,
-    action: Action,
-    obs: Observation | None,
-    version: int | None = None,
-    state: AgentState | None = None,
-) -> dict[str, Any]:
-    record = {
-        "turn": turn,
-        "text": g.text[:RECORD_CHARS],  # what the policy wrote: its thoughts, then the action
-        "action": action.kind,
-        "argument": action.argument[:RECORD_CHARS],
-        "observation": obs.text[:RECORD_CHARS] if obs else "",
-        "error": action.error or (obs.error if obs else None),
-        "tokens": len(g.token_ids),  # policy tokens (loss mask 1)
-        "masked_tokens": 0,  # tokens appended after them with loss mask 0 (the observation)
-        "finish_reason": g.finish_reason,
-        "images": len(obs.images) if obs else 0,
-        "image_files": [_image_name(i) for i in obs.images] if obs else [],
-    }
-    if version is not None:  # asynchronous training: the weights this turn sampled from
-        record["version"] = version
-    page = _page_of(action, obs, state)
-    if page is not None:  # the page file this turn showed (search) or cropped (bbox), its shown size
-        record["page"], record["page_size"] = page
-    return record
-
-
-def _page_of(
-    action: Action, obs: Observation | None, state: AgentState | None
-) -> tuple[str, list[int]] | None:
-    """The page a search showed first or a crop cut from (`state.current_image`, a file), and its
-    size as shown to the policy, which a `<bbox>`'s coordinates are pixels of; None otherwise."""
-    if state is None or obs is None or obs.error or not obs.images or action.kind not in ("search", "bbox"):
-        return None
-    if not isinstance(state.current_image, (str, os.PathLike)) or state.current_image_size is None:
-        return None
-    return str(state.current_image), list(state.current_image_size)
-
-
-def _image_name(image: Any) -> str:
-    """What a log line says of an image shown to the policy: its file, or (made in memory, e.g.
-    a crop or a resized page) its size."""
-    if isinstance(image, (str, os.PathLike)):
-        return str(image)
-    size = getattr(image, "size", None)
-    return f"<{size[0]}x{size[1]} image in memory>" if size else "<image in memory>"
-
-
-def _question(sample: Sample) -> str:
-    """The text of the sample's last user message."""
-    for message in reversed(sample.messages):
-        if message.get("role") == "user":
-            content = message.get("content", "")
-            if isinstance(content, list):
-                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return str(content)
-    return ""
-
-
-def _stats(rollouts: list[_Rollout], prefill_tokens: int) -> dict[str, float]:
-    total = max(len(rollouts), 1)
-    stats = {
-        "agent/turns_mean": sum(r.state.turn for r in rollouts) / total,
-        "agent/finished_frac": sum(r.trajectory.finish_reason != "length" for r in rollouts) / total,
-        "agent/prefill_tokens": float(prefill_tokens),
-    }
-    for r in rollouts:
-        for kind, count in r.state.errors.items():
-            stats[f"agent/errors/{kind}"] = stats.get(f"agent/errors/{kind}", 0.0) + count
-    return stats

@@ -46,6 +46,7 @@ class SingleTurn:
                 response_text=gen.text,
                 finish_reason=gen.finish_reason,
                 prompt_images=images[i] if images is not None else [],
+                version=gen.version,  # the engine's, where it was told one (else the collector's)
             )
             return made[k]
 

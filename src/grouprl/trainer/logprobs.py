@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grouprl.rollout.engines.hf import left_pad
+from grouprl.rollout.engines.sampling import left_pad
 from grouprl.trainer.head_stats import chunked_token_stats
 
 

@@ -14,7 +14,9 @@ Which weights batch j samples from (`rollout.async_schedule`):
   weights of the versions its in-flight batches need resumes it exactly (`state`).
 - newest: the newest published version at the batch's start (at least j - k), and an agent
   batch takes a version published while it runs between two turns (a partial rollout: each turn
-  records its version).
+  records its version). The pipeline offers each published version to the engine
+  (`RolloutEngine.offer_weights`), which loads it where none of its turns runs; the agent learns
+  which version a turn sampled from from the turn's generation, not from the trainer.
 Either way no batch is more than k versions older than the update that trains on it: generation
 waits for the weights it needs (`time/wait_weights`), never trains anything staler.
 
@@ -86,8 +88,8 @@ class RolloutPipeline:
         self.collector = Collector(cfg, generation, judge_tallies_per_batch=False)
         self.sampler = parts.sampler
         self.reward_dependent = parts.sampler.learns_from_rewards
-        if ahead.agent is not None and not self.fixed:  # partial rollouts: newer weights between turns
-            ahead.agent.before_turn = self._between_turns
+        # partial rollouts: newer weights offered to the engine, taken between an agent's turns
+        self.offer_between_turns = ahead.agent is not None and not self.fixed
         self.first, self.total = first_step, total_steps
         self.cond = threading.Condition()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = dict(snapshots or {})
@@ -105,7 +107,6 @@ class RolloutPipeline:
             )  # fmt: skip
             self.floor = first_step
         self.newest = max(self.snapshots, default=-1)
-        self.loaded: int | None = None  # the version the generation copy holds
         self.sampler_before: dict[int, dict] = {}  # step -> the sampler's state before its draw
         self.started = first_step  # the next batch to start
         self.scored = first_step  # batches up to here are scored
@@ -137,6 +138,8 @@ class RolloutPipeline:
             for j in [j for j in self.sampler_before if j < version]:  # batches learned: no checkpoint redraws them
                 del self.sampler_before[j]
             self.cond.notify_all()
+        if self.offer_between_turns:
+            self.engine.offer_weights(version, snapshot)
 
     def take(self, step: int) -> StepBatch:
         """Batch `step`, once generated and scored (a fault on the other threads is raised here);
@@ -203,22 +206,13 @@ class RolloutPipeline:
     def _load(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
         """The generation copy takes `version`'s weights (generator thread, between requests);
         the engine samples from them next (vLLM: pushed into its own copy)."""
-        if self.loaded == version:
+        if self.engine.policy_version == version:
             return
         params = dict(self.generation_copy.named_parameters())
         with torch.no_grad():
             for name, tensor in snapshot.items():
                 params[name].copy_(tensor)
-        self.engine.weights_updated(self.generation_copy)
-        self.loaded = version
-
-    def _between_turns(self) -> int | None:
-        """newest: an agent batch takes weights published since its last turn."""
-        with self.cond:
-            newest, snapshot = self.newest, self.snapshots.get(self.newest)
-        if snapshot is not None:
-            self._load(newest, snapshot)
-        return self.loaded
+        self.engine.weights_updated(self.generation_copy, version)
 
     # ------------------------------------------------------------------ threads
     def _guard(self, fn):

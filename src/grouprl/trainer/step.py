@@ -283,7 +283,10 @@ class Collector:
             metrics = p.reward.score(generated.trajectories)
             clock["reward"] += time.perf_counter() - t1
         clock["generate"] += generated.end - generated.start
-        metrics = merge(metrics, generated.stats)
+        for key, value in generated.stats.items():  # the agent's split of its time: over every rollout
+            if key.startswith("time/"):
+                clock[key.removeprefix("time/")] = clock.get(key.removeprefix("time/"), 0.0) + value
+        metrics = merge(metrics, {k: v for k, v in generated.stats.items() if not k.startswith("time/")})
         # a judge that stopped answering, or a reward that fails on most calls, stops the run
         # (on every rank alike) rather than train it on fallback values
         r = c.reward
@@ -322,6 +325,9 @@ class Collector:
         times = {"time/generate": clock["generate"], "time/reward": clock["reward"]}
         if p.streaming is not None:  # reward work that overlapped generation (not waited for)
             times["time/reward_hidden"] = clock["reward_hidden"]
+        for key in ("engine", "tools"):  # an agent's: the engine generating, some tool call in flight
+            if key in clock:
+                times[f"time/{key}"] = clock[key]
         # the batch's reward means: written here only, over the groups this rank keeps
         summary = batch_summary([t for g in groups if g.place is not None for t in g.trajectories])
         return Settled(groups, dropped, merge(metrics, summary, p.sampler.metrics(), times))

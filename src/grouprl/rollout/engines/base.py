@@ -4,7 +4,10 @@ An engine samples n continuations of token-id prompts (`generate`), and for mult
 keeps a conversation per trajectory across turns (`open_session`). The trainer tells it when the
 policy's weights changed (`weights_updated`), so an engine with its own copy of the weights (an
 inference server) can take the new ones before the next rollout; an engine that runs the
-trainer's own model has nothing to do. The trainer also says when a rollout begins and ends
+trainer's own model has nothing to do; `version` names them (the policy version, asynchronous
+training), and every turn says which version it sampled from (`Generation.version`). Newer
+weights offered while a rollout runs (`offer_weights`, from another thread) are taken where no
+turn runs, so no turn mixes two versions. The trainer also says when a rollout begins and ends
 (`begin_rollout` / `end_rollout`, or `rollout_phase(engine)` around it): a step's generation with
 its refills, or an evaluation. An engine that gives the accelerator's memory back between
 rollouts (vLLM's sleep mode) sleeps at the end and wakes at the beginning, never between the
@@ -20,6 +23,7 @@ an engine is stays inside this package.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -45,13 +49,19 @@ class Generation:
     text: str  # decoded without special tokens
     finish_reason: str  # "eos" | "stop" | "length"
     log_probs: list[float] | None = None  # the engine's log-prob of each sampled token, if it reports them
+    version: int | None = None  # the policy version the engine sampled it from (None: never told one)
 
 
 GroupDone = Callable[[int, list[Generation]], None]
 
 
 class Session(Protocol):
-    """Rows (one per trajectory, prompt-major) whose contexts live across turns."""
+    """Rows (one per trajectory, prompt-major) whose contexts live across turns.
+
+    Two ways to run turns: `generate` takes a turn of several rows together and returns when all
+    have ended (the agent's `turn` schedule); `submit` queues one row's turn and `step` advances
+    the running batch, each queued turn joining it at a step boundary, each ended one handed back
+    as it ends (the `trajectory` schedule: no turn waits for another)."""
 
     def generate(
         self,
@@ -65,8 +75,27 @@ class Session(Protocol):
         policy) to row `rows[i]`'s context and sample its continuation."""
         ...
 
+    def submit(
+        self,
+        row: int,
+        new_tokens: list[int],
+        params: SamplingParams,
+        generator: Randomness = None,
+        new_images: list | None = None,
+    ) -> None:
+        """Queue row `row`'s next turn: `new_tokens` (with the images `new_images`) appended to its
+        context, then its continuation sampled. `generator`: the randomness of every row of the
+        session (the same object on every call: a row draws from its own stream)."""
+        ...
+
+    def step(self) -> list[tuple[int, Generation]]:
+        """Advance the running batch by one step (queued turns join first, where the engine
+        admits them); the turns that ended in it, as (row, generation). Nothing queued or
+        running: nothing to do, []."""
+        ...
+
     def release(self, row: int) -> None:
-        """The row has ended: drop what it holds."""
+        """The row has ended (or is given up): drop what it holds, a queued or running turn too."""
         ...
 
 
@@ -94,6 +123,10 @@ class RolloutEngine(Protocol):
     CUDA; 0 where it does not sleep, sleeps off CUDA, or runs in another process. The trainer's
     `perf/engine_freed_gb`."""
 
+    policy_version: int | None
+    """The policy version of the weights the engine samples from: what the last `weights_updated`
+    (or a taken offer) said; None when never told one (a synchronous run)."""
+
     @property
     def device(self) -> torch.device:
         """Where the trainer's policy lives."""
@@ -118,8 +151,17 @@ class RolloutEngine(Protocol):
         """A multi-turn session over the n samples of every prompt (`images[i]`: prompt i's)."""
         ...
 
-    def weights_updated(self, model: torch.nn.Module) -> None:
-        """The policy `model` has new weights: the next rollout must sample from them."""
+    def weights_updated(self, model: torch.nn.Module, version: int | None = None) -> None:
+        """The policy `model` has new weights (`version`: their policy version, None: unnamed): the
+        next rollout, or turn, samples from them."""
+        ...
+
+    def offer_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Newer weights for `model`'s parameters (by name: the trainable ones), policy version
+        `version`, offered from any thread while a rollout may be running (asynchronous training,
+        newest weights): the engine loads them into `model` and samples from them from its next
+        point where no turn is running on (`WeightOffers`). An older offer than what the engine
+        holds is dropped."""
         ...
 
     def begin_rollout(self) -> None:
@@ -146,9 +188,73 @@ def rollout_phase(engine: RolloutEngine) -> Iterator[None]:
         engine.end_rollout()
 
 
-class ReprefillSession:
+class WeightOffers:
+    """The newest weights offered to an engine (`RolloutEngine.offer_weights`, from any thread),
+    kept until the engine takes them at a point where none of its turns is running."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._offer: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def put(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            if self._offer is None or version > self._offer[0]:
+                self._offer = (version, weights)
+
+    @property
+    def pending(self) -> bool:
+        return self._offer is not None
+
+    def take(self, engine: RolloutEngine) -> bool:
+        """Load the offer into `engine.model` and tell the engine (`weights_updated` with its
+        version); False when none was waiting or it is not newer than what the engine holds."""
+        with self._lock:
+            offer, self._offer = self._offer, None
+        if offer is None or (engine.policy_version is not None and offer[0] <= engine.policy_version):
+            return False
+        version, weights = offer
+        params = dict(engine.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
+        engine.weights_updated(engine.model, version)
+        return True
+
+
+class TurnsAtEachStep:
+    """`submit` / `step` for a session that runs turns only together (its `generate`): the turns
+    queued when `step` comes run then, to their end, one `generate` per sampling setting. A
+    session that releases a row calls `forget(row)`."""
+
+    queued: list[tuple[int, list[int], SamplingParams, Randomness, list]]
+
+    def submit(self, row, new_tokens, params, generator=None, new_images=None) -> None:
+        if not hasattr(self, "queued"):
+            self.queued = []
+        self.queued.append((row, list(new_tokens), params, generator, list(new_images or [])))
+
+    def step(self) -> list[tuple[int, Generation]]:
+        queued, self.queued = sorted(getattr(self, "queued", []), key=lambda turn: turn[0]), []
+        ended: list[tuple[int, Generation]] = []
+        while queued:
+            params, generator = queued[0][2], queued[0][3]
+            same = [turn for turn in queued if turn[2] == params]
+            queued = [turn for turn in queued if turn[2] != params]
+            rows = [turn[0] for turn in same]
+            images = {"new_images": [turn[4] for turn in same]} if any(turn[4] for turn in same) else {}
+            generations = self.generate(rows, [turn[1] for turn in same], params, generator, **images)
+            ended.extend(zip(rows, generations))
+        return ended
+
+    def forget(self, row: int) -> None:
+        """Drop the row's queued turn, if any."""
+        self.queued = [turn for turn in getattr(self, "queued", []) if turn[0] != row]
+
+
+class ReprefillSession(TurnsAtEachStep):
     """Turn generation through `engine.generate` alone: every turn feeds each conversation whole
-    (an engine with prefix caching finds the shared part in its cache)."""
+    (an engine with prefix caching finds the shared part in its cache). Submitted turns run
+    together at the next `step`, to their end: the rows queued by then make one turn."""
 
     def __init__(self, engine: RolloutEngine, prompts: list[list[int]], n: int, images: list[list] | None = None):
         self.engine, self.prompts, self.n, self.images = engine, prompts, n, images
@@ -176,3 +282,4 @@ class ReprefillSession:
 
     def release(self, row: int) -> None:
         self.contexts[row], self.context_images[row] = [], []
+        self.forget(row)

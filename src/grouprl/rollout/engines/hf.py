@@ -5,8 +5,10 @@ A group's n samples share one prompt, so the prompt is prefilled once and its KV
 expanded n times (`share_prompt_prefill`); finished sequences leave the batch, so they stop
 costing compute.
 
-Multi-turn agents use `open_session`: a `KVSession` keeps every trajectory's KV cache between
-turns, so each turn prefills only the tokens appended since the last one.
+Multi-turn agents use `open_session`: a session (hf_session.py) keeps every trajectory's KV cache
+between turns, so each turn prefills only the tokens appended since the last one, and runs the
+turns either together (`generate`) or in one batch they join and leave one by one (`submit` /
+`step`: continuous batching).
 """
 
 from __future__ import annotations
@@ -16,48 +18,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grouprl import cpu
-from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession, SamplingParams
-from grouprl.rollout.engines.streams import Randomness, RowStreams, for_rows
-
-
-def sample_next(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: Randomness,
-    banned: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Draw one token per row from logits [A, V] -> [A], with one uniform per row from
-    `generator` (a torch generator, or the rows' own streams); `banned` token ids are never drawn
-    (a VLM's image tokens: the distribution is renormalised over the others, as the update's
-    log-probs are)."""
-    if banned is not None and banned.numel():
-        logits = logits.index_fill(-1, banned, float("-inf"))
-    if params.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        # drop tokens whose preceding mass already exceeds top_p (the top token always stays)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return _inverse_cdf_sample(logits.softmax(-1), generator)
-
-
-def _inverse_cdf_sample(probs: torch.Tensor, generator: Randomness) -> torch.Tensor:
-    """One draw per row of probs [A, V]: the first token whose cumulative probability exceeds
-    u ~ U(0, total). Exact like torch.multinomial (a token of probability 0 is never drawn), and
-    on a CPU several times faster, which matters at every decode step over a 50k vocabulary."""
-    cdf = probs.cumsum(-1)
-    if isinstance(generator, RowStreams):
-        u = generator.uniform(probs.device, cdf.dtype)[:, None]
-    else:
-        u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+from grouprl.rollout.engines.base import Generation, GroupDone, ReprefillSession, SamplingParams, WeightOffers
+from grouprl.rollout.engines.sampling import left_pad, sample_next
+from grouprl.rollout.engines.streams import Randomness, for_rows
 
 
 def _common_prefix_length(rows: list[list[int]]) -> int:
@@ -73,17 +36,6 @@ def _common_prefix_length(rows: list[list[int]]) -> int:
 def _first(ids: list[int], token: int) -> int:
     """Index of `token`'s first occurrence in `ids`, or len(ids)."""
     return next((i for i, t in enumerate(ids) if t == token), len(ids))
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding puts every row's last token at the end: [B, W] ids and attention mask."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 class _RoomyLayer(DynamicLayer):
@@ -186,6 +138,9 @@ class HFEngine:
         # tokens fed to the model so far (real tokens, padding not counted): what KV reuse saves
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.policy_version: int | None = None  # RolloutEngine: the version weights_updated named
+        self.offers = WeightOffers()  # newer weights offered between turns
+        self.running_turns = 0  # turns in a session's running batch (RunningSession): offers wait for them
 
     def _may_end_stop(self, token_id: int, stop_ends: set[str]) -> bool:
         """Cheap filter before decoding a tail: can this token's text end a stop string? Printable
@@ -218,6 +173,7 @@ class HFEngine:
         the order of their tokens), for a VLM policy."""
         if not prompts:
             return []
+        self.between_turns()
         per_call = max(1, self.max_batch // n) if self.max_batch else len(prompts)
         out: list[Generation] = []
         for start in range(0, len(prompts), per_call):
@@ -229,12 +185,14 @@ class HFEngine:
             )
         return out
 
-    def _generation(self, token_ids: list[int], finish_reason: str, log_probs=None) -> Generation:
+    def _generation(self, token_ids: list[int], finish_reason: str, log_probs=None, version=-1) -> Generation:
+        """`version`: the policy version the turn sampled from (-1: the engine's now)."""
         return Generation(
             token_ids=token_ids,
             text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
             finish_reason=finish_reason,
             log_probs=log_probs,
+            version=self.policy_version if version == -1 else version,
         )
 
     def _generate_chunk(
@@ -438,14 +396,28 @@ class HFEngine:
 
     def open_session(self, prompts: list[list[int]], n: int, reuse_cache: bool = True, images=None):
         """A multi-turn session over the n samples of every prompt (rows prompt-major): each row
-        keeps its KV cache between turns (`KVSession`), or, without `reuse_cache`, every turn
-        feeds the conversation whole."""
+        keeps its KV cache between turns (`RunningSession`: turns together, or one by one in a
+        running batch), or, without `reuse_cache`, every turn feeds the conversation whole (and
+        turns submitted one by one run together at the next step)."""
         if reuse_cache:
-            return KVSession(self, prompts, n, images)
+            from grouprl.rollout.engines.hf_session import RunningSession
+
+            return RunningSession(self, prompts, n, images)
         return ReprefillSession(self, prompts, n, images)
 
-    def weights_updated(self, model) -> None:
+    def weights_updated(self, model, version: int | None = None) -> None:
         """The engine runs `model` itself: its next rollout already uses the new weights."""
+        self.policy_version = version
+
+    def offer_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Taken into `model` where no turn runs (`between_turns`)."""
+        self.offers.put(version, weights)
+
+    def between_turns(self) -> None:
+        """No turn of this call runs yet: offered weights are taken unless a session's running
+        batch still has turns (they wait for its drain)."""
+        if self.offers.pending and self.running_turns == 0:
+            self.offers.take(self)
 
     def begin_rollout(self) -> None:
         """Nothing to take back: the engine holds no memory of its own between rollouts."""
@@ -455,128 +427,3 @@ class HFEngine:
 
     def close(self) -> None:
         """Nothing to end: the model is the trainer's."""
-
-
-class KVSession:
-    """Rows (one per trajectory) whose KV caches live across generate calls, so that a later
-    turn feeds the model only the tokens appended since the row's last turn.
-
-    Between calls each row's cache is parked on its own, holes removed: per layer a
-    ([H, L, D] keys, values) pair for its L cached tokens, whose positions are 0..L-1. A call
-    lays the parked rows side by side, left-padded to the longest (the padding masked out),
-    prefills each row's new tokens right-aligned after it with position_ids continuing from
-    L, and decodes as `HFEngine.generate` does; a row that ends is parked again before it
-    leaves the batch. The last sampled token of a turn is never fed in that turn, so it opens
-    the row's next feed. Assumes full attention (no sliding window shorter than the context).
-    """
-
-    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int, images: list[list] | None = None):
-        self.engine, self.prompts, self.n = engine, prompts, n
-        self.images = images  # per prompt, for a VLM policy
-        rows = len(prompts) * n
-        self.parked: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * rows
-        self.unfed: list[list[int]] = [list(prompts[r // n]) for r in range(rows)]  # context not in the cache
-        # images whose tokens are in `unfed`, and where each row's next token sits (the cache
-        # length for text; multimodal rope runs ahead of it after an image)
-        self.unfed_images: list[list] = [list(images[r // n]) if images else [] for r in range(rows)]
-        self.next_pos = [0] * rows
-        self.started = False
-
-    @torch.no_grad()
-    def generate(
-        self,
-        rows: list[int],
-        new_tokens: list[list[int]],
-        params: SamplingParams,
-        generator: Randomness = None,
-        new_images: list[list] | None = None,
-    ) -> list[Generation]:
-        """Append `new_tokens[i]` (with the images `new_images[i]` whose tokens it holds) to row
-        `rows[i]`'s context and sample its continuation (`generator`: a torch generator, or
-        streams over all the session's rows)."""
-        engine, model = self.engine, self.engine.model
-        was_training = model.training
-        model.eval()
-        new_images = new_images if new_images is not None else [[] for _ in rows]
-        if not self.started and rows == list(range(len(self.parked))) and not any(new_tokens):
-            expand = self.n if engine.share_prompt_prefill else 1
-            prompts, images = self.prompts, self.images
-            if expand == 1:
-                prompts = [p for p in self.prompts for _ in range(self.n)]
-                images = [x for x in images for _ in range(self.n)] if images is not None else None
-            batch = engine._prefill_prompts(prompts, expand, images)  # one prefill per group, as generate does
-        else:
-            batch = self._prefill_rows(
-                rows,
-                [self.unfed[r] + list(t) for r, t in zip(rows, new_tokens)],
-                [self.unfed_images[r] + list(x) for r, x in zip(rows, new_images)],
-            )
-        self.started = True
-        starts = batch[3].tolist()  # the position of each row's first sampled token
-        for r in rows:
-            self.parked[r], self.unfed[r], self.unfed_images[r] = None, [], []  # now inside the batch cache
-
-        def park(batch_rows, out_rows, cache, attention_mask):
-            for b, i in zip(batch_rows, out_rows):
-                real = attention_mask[b].nonzero().squeeze(-1)  # [L] positions of the row's real tokens
-                self.parked[rows[i]] = [
-                    (layer.keys[b].index_select(1, real), layer.values[b].index_select(1, real))
-                    for layer in cache.layers
-                ]
-
-        lps = [[] for _ in rows] if engine.report_log_probs else None
-        tokens, finish = engine._decode(*batch, params, for_rows(generator, rows), on_done=park, log_probs=lps)
-        for r, t, start in zip(rows, tokens, starts):
-            self.unfed[r] = t[-1:]
-            self.next_pos[r] = start + len(t) - 1  # the unfed last token's position
-        if was_training:
-            model.train()
-        return [
-            engine._generation(t, f, lps[k] if lps else None) for k, (t, f) in enumerate(zip(tokens, finish))
-        ]
-
-    def _prefill_rows(self, rows: list[int], feeds: list[list[int]], feed_images: list[list]):
-        engine, device = self.engine, self.engine.device
-        parked = [self.parked[r] for r in rows]
-        lengths = torch.tensor([p[0][0].shape[1] if p else 0 for p in parked], device=device)  # [A]
-        cache = DynamicCache()
-        if int(lengths.max()) > 0:
-            template = next(p for p in parked if p)
-            layers = []
-            for j, (keys, values) in enumerate(template):
-                empty_k, empty_v = keys[:, :0], values[:, :0]
-                # [L, H, D] per row, left-padded to [A, W, H, D], back to [A, H, W, D]
-                pad = lambda ts: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
-                    [t.transpose(0, 1) for t in ts], batch_first=True, padding_side="left"
-                ).transpose(1, 2)
-                layers.append(
-                    (
-                        pad([p[j][0] if p else empty_k for p in parked]),
-                        pad([p[j][1] if p else empty_v for p in parked]),
-                    )
-                )
-            cache = DynamicCache(ddp_cache_data=layers)
-        width = int(lengths.max())
-        past_mask = (
-            torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
-        ).long()  # [A, W]
-        feed_ids, feed_mask = left_pad(feeds, engine.pad_token_id, device)
-        attention_mask = torch.cat([past_mask, feed_mask], dim=-1)
-        inputs, position_ids, next_pos = engine._inputs(
-            feed_ids, feed_mask, feed_images, [self.next_pos[r] for r in rows]
-        )
-        out = engine.model(
-            **inputs,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        engine.prefill_tokens += sum(len(f) for f in feeds)
-        return cache, out.logits[:, -1, :], attention_mask, next_pos
-
-    def release(self, row: int) -> None:
-        """Drop a finished row's cache."""
-        self.parked[row] = None
-        self.unfed[row], self.unfed_images[row] = [], []

@@ -49,14 +49,14 @@ import torch.distributed as dist
 import grouprl
 from grouprl.errors import ModelLoadError, UserError
 from grouprl.processes import start_fresh
-from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams
+from grouprl.rollout.engines.base import Generation, GroupDone, SamplingParams, WeightOffers
 from grouprl.rollout.engines.rendezvous import Channel, ConnectionStore
 from grouprl.rollout.engines.streams import Randomness, RowStreams
 
 HOST = "127.0.0.1"  # an engine process started here runs beside the trainer's, on the same machine
 START_TIMEOUT_S = 1800  # loading a large model (and vLLM's warm-up) may take minutes
 KEY_ENV = "GROUPRL_ENGINE_KEY"  # the secret a trainer and an engine service share
-PROTOCOL = 1  # what a trainer and an engine service speak; both sides check it
+PROTOCOL = 2  # what a trainer and an engine service speak; both sides check it (2: turns one by one, versions)
 PRELOAD = ["torch", "transformers", "grouprl.rollout.engines.hf", "grouprl.rollout.engines.process"]
 WEIGHTS_TIMEOUT_S = 300  # the two processes' group (formed once the engine is loaded): one tensor's push
 HANDSHAKE_TIMEOUT_S = 30  # connecting and proving the key, whole; a peer that takes longer is gone
@@ -216,6 +216,7 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], back
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
     sessions: dict[int, Any] = {}
+    generators: dict[int, Randomness] = {}  # each session's randomness, as the trainer's side last said
     params = dict(model.named_parameters())
     while True:
         try:
@@ -228,8 +229,9 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], back
                 conn.send(("ok", None, None, engine.prefill_tokens))
                 return
             if op == "weights":
-                _receive_weights(conn, args, params, device, group)
-                engine.weights_updated(model)
+                meta, version = args
+                _receive_weights(conn, meta, params, device, group)
+                engine.weights_updated(model, version)
             elif op in ("begin_rollout", "end_rollout"):
                 getattr(engine, op)()
             elif op == "generate":
@@ -241,12 +243,23 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], back
             elif op == "open_session":
                 key, prompts, n, reuse, images = args
                 sessions.clear()  # one rollout's session at a time: the one before has ended
+                generators.clear()
                 sessions[key] = engine.open_session(prompts, n, reuse_cache=reuse, **images)
             elif op == "turn":
                 key, rows, new_tokens, sampling, generator, new_images = args
                 with context():
                     result = sessions[key].generate(rows, new_tokens, sampling, generator, new_images)
                 drawn = _drawn(generator)
+            elif op == "step":
+                key, admitted, generator = args
+                held = generators.setdefault(key, generator)
+                if isinstance(held, RowStreams) and held is not generator:
+                    held.restore(generator.state())  # the streams as the trainer's side has them
+                for row, new_tokens, sampling, new_images in admitted:
+                    sessions[key].submit(row, new_tokens, sampling, held, **new_images)
+                with context():
+                    result = sessions[key].step()
+                drawn = _drawn(held)
             elif op == "release":
                 key, row = args
                 sessions[key].release(row)
@@ -258,15 +271,42 @@ def serve(conn, build: Callable[[], tuple[Any, torch.nn.Module, Callable]], back
 
 
 class _Session:
-    """A multi-turn session whose contexts live in the engine process."""
+    """A multi-turn session whose contexts live in the engine process. Submitted turns travel
+    with the next step; newer weights offered to the engine wait (here, where they are pushed
+    from) until none of the session's turns runs there."""
 
     def __init__(self, owner: EngineProcess, key: int):
         self.owner, self.key = owner, key
+        self.waiting: list[tuple[int, list[int], SamplingParams, dict]] = []
+        self.running: set[int] = set()  # rows whose turn is in the engine process
+        self.generator: Randomness = None
 
     def generate(self, rows, new_tokens, params, generator=None, new_images=None) -> list[Generation]:
+        self.owner.between_turns()
         return self.owner._ask("turn", (self.key, rows, new_tokens, params, generator, new_images), generator)
 
+    def submit(self, row, new_tokens, params, generator=None, new_images=None) -> None:
+        self.generator = generator if generator is not None else self.generator
+        self.waiting.append((row, list(new_tokens), params, {"new_images": new_images} if new_images else {}))
+
+    def step(self) -> list[tuple[int, Generation]]:
+        owner, admitted = self.owner, []
+        if self.waiting and not (owner.offers.pending and self.running):
+            owner.between_turns()
+            admitted, self.waiting = self.waiting, []
+            self.running |= {row for row, *_ in admitted}
+            owner.running_turns += len(admitted)
+        ended = owner._ask("step", (self.key, admitted, self.generator), self.generator)
+        for row, _ in ended:
+            self.running.discard(row)
+        owner.running_turns -= len(ended)
+        return ended
+
     def release(self, row: int) -> None:
+        self.waiting = [turn for turn in self.waiting if turn[0] != row]
+        if row in self.running:
+            self.running.discard(row)
+            self.owner.running_turns -= 1
         self.owner._ask("release", (self.key, row))
 
 
@@ -315,6 +355,9 @@ class EngineProcess:
         self._lock = threading.RLock()  # one request on the pipe at a time
         self.prefill_tokens = 0
         self.push_seconds = 0.0
+        self.policy_version: int | None = None  # RolloutEngine: the version weights_updated named
+        self.offers = WeightOffers()  # newer weights offered between turns, pushed from here
+        self.running_turns = 0  # sessions' turns in the engine process: offers wait for them
         self._pushed_once = False
         self._sessions = 0
         if address:  # an engine service's, on another machine
@@ -349,6 +392,7 @@ class EngineProcess:
                  on_group_done: GroupDone | None = None, images=None) -> list[Generation]:  # fmt: skip
         images_arg = {"images": images} if images is not None else {}
         args = (prompts, n, params, generator, images_arg, on_group_done is not None)
+        self.between_turns()
         return self._ask("generate", args, generator, on_group_done)
 
     def open_session(self, prompts, n, reuse_cache: bool = True, images=None) -> _Session:
@@ -357,14 +401,25 @@ class EngineProcess:
         self._ask("open_session", (self._sessions, prompts, n, reuse_cache, images_arg))
         return _Session(self, self._sessions)
 
-    def weights_updated(self, model: torch.nn.Module) -> None:
-        """Push `model`'s weights (every one the first time, then those an update changes)."""
+    def offer_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Loaded into `model` and pushed where no turn runs (`between_turns`)."""
+        self.offers.put(version, weights)
+
+    def between_turns(self) -> None:
+        """No turn of this call runs yet: offered weights are taken (and pushed) unless a
+        session's turns still run in the engine process."""
+        if self.offers.pending and self.running_turns == 0:
+            self.offers.take(self)
+
+    def weights_updated(self, model: torch.nn.Module, version: int | None = None) -> None:
+        """Push `model`'s weights (every one the first time, then those an update changes); the
+        engine process samples from them as policy version `version`."""
         t0 = time.perf_counter()
         params = dict(model.named_parameters())
         names = list(params) if not self._pushed_once else [n for n in self.changing if n in params]
         tensors = [params[n].detach() for n in names]
         with self._lock:
-            self._send("weights", [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)])
+            self._send("weights", ([(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)], version))
             answered = False
             try:
                 for t in tensors:
@@ -383,6 +438,7 @@ class EngineProcess:
             if not answered:
                 self._receive()
         self._pushed_once = True
+        self.policy_version = version
         self.push_seconds += time.perf_counter() - t0
 
     def _push(self, tensor: torch.Tensor) -> bool:

@@ -38,7 +38,6 @@ imported) for the weight push to reach the model without serialising it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import time
@@ -51,11 +50,12 @@ from grouprl.errors import ConfigError, ModelLoadError
 from grouprl.rollout.engines.base import (
     Generation,
     GroupDone,
-    ReprefillSession,
     SamplingParams,
+    WeightOffers,
     rollout_phase,
 )
-from grouprl.rollout.engines.streams import Randomness, RowStreams
+from grouprl.rollout.engines.sampling import request_seeds, seeded
+from grouprl.rollout.engines.streams import Randomness
 from grouprl.rollout.engines.vllm_ranks import beside_ranks, launcher_env
 from grouprl.rollout.engines.vllm_shims import (
     guard_kernel_scan,
@@ -102,29 +102,6 @@ def import_vllm():
         raise ModelLoadError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from None
     guard_kernel_scan()
     return vllm
-
-
-def request_seeds(generator: Randomness, prompts: int, n: int) -> list[int] | None:
-    """vLLM's seed for each of `prompts` requests of n samples (vLLM seeds a request's sample j
-    with seed + j). From row streams: one draw of each request's first row, so a group's samples
-    depend on its rows' keys alone, not on the call's other requests, its batching or the rank
-    that runs it. From a torch generator: drawn in order. None: vLLM's own randomness."""
-    if isinstance(generator, RowStreams):
-        if len(generator) != prompts * n:
-            raise ValueError(f"{len(generator)} row streams for {prompts} prompts x {n} samples")
-        draws = generator.select([i * n for i in range(prompts)]).uniform(dtype=torch.float64)
-        return [int(u * (2**31 - 1)) for u in draws.tolist()]
-    if generator is not None:
-        return torch.randint(0, 2**31 - 1, (prompts,), generator=generator).tolist()
-    return None
-
-
-def _seeded(sampling, seed: int):
-    """`sampling` for one request seeded with `seed` (a shallow copy, as vLLM's own `clone`
-    makes where it may)."""
-    params = copy.copy(sampling)
-    params.seed = seed
-    return params
 
 
 def logprobs_mode(cfg: Any) -> str:
@@ -208,6 +185,11 @@ class VLLMEngine:
         self._source = model  # the policy whose weights vLLM holds, or is to hold
         self._pending: torch.nn.Module | None = None  # a policy to push at the next wake
         self._rollouts = 0  # open rollouts: begin_rollout calls not yet ended
+        self.policy_version: int | None = None  # RolloutEngine: the version weights_updated named
+        self.offers = WeightOffers()  # newer weights offered between turns
+        self.running_turns = 0  # a session's turn requests in vLLM: offers wait for them
+        self._requests = 0  # request ids handed out
+        self._finished: dict[str, Any] = {}  # finished requests' outputs, by id, until their caller takes them
         t0 = time.perf_counter()
         try:  # vLLM seeds the global torch generator while it starts: keep the trainer's as it was
             with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.on_cuda else []):
@@ -305,11 +287,11 @@ class VLLMEngine:
             self._pending = self._source
 
     # ------------------------------------------------------------------ weights
-    def weights_updated(self, model: torch.nn.Module) -> None:
+    def weights_updated(self, model: torch.nn.Module, version: int | None = None) -> None:
         """Stream the policy's weights into vLLM's model in place, then drop the prefix cache
         (its blocks hold keys and values of the old weights). Asleep, the push waits for the
         next wake: waking the weights only to push would take their memory during the update."""
-        self._source = model
+        self._source, self.policy_version = model, version
         if "weights" in self._asleep:
             self._pending = model
             return
@@ -361,7 +343,17 @@ class VLLMEngine:
             return {"logprobs": len(banned), "logprob_token_ids": banned}
         return {"logprobs": 0}  # the sampled token's own log-prob
 
-    def _generation(self, out) -> Generation:
+    def offer_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Taken into `model` (and pushed) where no turn runs (`between_turns`)."""
+        self.offers.put(version, weights)
+
+    def between_turns(self) -> None:
+        """No turn of this call runs yet: offered weights are taken unless a session still has turn
+        requests in vLLM (they wait for those to end)."""
+        if self.offers.pending and self.running_turns == 0:
+            self.offers.take(self)
+
+    def _generation(self, out, version: int | None = -1) -> Generation:
         token_ids = list(out.token_ids)
         if out.finish_reason == "length":
             reason = "length"
@@ -378,6 +370,7 @@ class VLLMEngine:
             text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
             finish_reason=reason,
             log_probs=log_probs if len(log_probs) == len(token_ids) else None,
+            version=self.policy_version if version == -1 else version,
         )
 
     @torch.no_grad()
@@ -400,42 +393,68 @@ class VLLMEngine:
         if not prompts:
             return []
         with rollout_phase(self):  # outside the trainer's rollouts a call is a rollout of its own
+            self.between_turns()
             return self._generate(prompts, n, params, generator, on_group_done, images)
 
     def _generate(self, prompts, n, params, generator, on_group_done, images=None) -> list[Generation]:
-        engine = self.llm.llm_engine
         # greedy samples of one prompt are all alike: vLLM takes n = 1 there, copied n times
         copies = n if params.temperature == 0 else 1
         sampling = self._params(n // copies, params)
         seeds = request_seeds(generator, len(prompts), n)
-        devices = [torch.cuda.current_device()] if self.on_cuda else []
         done: dict[int, list[Generation]] = {}
         if self.images is not None:  # all checked before any is queued
             inputs = self.images.inputs(self.llm, prompts, images)
         else:
             inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-        # seeded requests sample from generators of their own, but vLLM's CPU sampler still draws
-        # from the global one for the whole batch: the trainer's stays as it was
-        with torch.random.fork_rng(devices=devices, enabled=seeds is not None):
-            for i, request in enumerate(inputs):
-                seeded = sampling if seeds is None else _seeded(sampling, seeds[i])
-                engine.add_request(str(i), request, seeded)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    i = int(out.request_id)
-                    ordered = sorted(out.outputs, key=lambda o: o.index)
-                    done[i] = [self._generation(o) for o in ordered for _ in range(copies)]
-                    if on_group_done is not None:
-                        on_group_done(i, done[i])
+        ids = [self.add_request(request, sampling if seeds is None else seeded(sampling, seeds[i])) for i, request in enumerate(inputs)]
+        index = {rid: i for i, rid in enumerate(ids)}
+        while len(done) < len(ids):
+            if not self.llm.llm_engine.has_unfinished_requests() and not any(rid in self._finished for rid in index):
+                raise RuntimeError(f"vLLM has no request left, {len(index)} of this call's unanswered")
+            self.step(seeded=seeds is not None)
+            for rid in [rid for rid in index if rid in self._finished]:
+                out, i = self._finished.pop(rid), index.pop(rid)
+                ordered = sorted(out.outputs, key=lambda o: o.index)
+                done[i] = [self._generation(o) for o in ordered for _ in range(copies)]
+                if on_group_done is not None:
+                    on_group_done(i, done[i])
         self.prefill_tokens += sum(len(p) for p in prompts)
         self.decode_tokens += sum(len(g.token_ids) for gens in done.values() for g in gens)
         return [g for i in range(len(prompts)) for g in done[i]]
 
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: dict, sampling) -> str:
+        """Queue one request in vLLM (it joins the running batch at vLLM's next step); its id."""
+        self._requests += 1
+        rid = str(self._requests)
+        self.llm.llm_engine.add_request(rid, request, sampling)
+        return rid
+
+    def step(self, seeded: bool = True) -> None:
+        """One vLLM engine step (nothing when no request is unfinished); the requests that finish
+        in it are kept in `_finished` by id until their caller takes them (generate and sessions
+        share the engine). Seeded requests sample from generators of their own, but vLLM's CPU
+        sampler still draws from the global one for the whole batch: the trainer's stays as it was."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return
+        devices = [torch.cuda.current_device()] if self.on_cuda else []
+        with torch.random.fork_rng(devices=devices, enabled=seeded):
+            for out in engine.step():
+                if out.finished:
+                    self._finished[out.request_id] = out
+
+    def abort(self, rid: str) -> None:
+        """Drop a request, finished or not."""
+        self._finished.pop(rid, None)
+        self.llm.llm_engine.abort_request([rid])
+
     def open_session(
         self, prompts: list[list[int]], n: int, reuse_cache: bool = True, images: list[list] | None = None
-    ) -> ReprefillSession:
+    ):
         """Every turn feeds each conversation whole; vLLM's prefix cache finds the part it has
-        already computed, which takes the place of the hf engine's per-row KV reuse."""
-        return ReprefillSession(self, prompts, n, images)
+        already computed, which takes the place of the hf engine's per-row KV reuse. Turns run
+        together (`generate`) or one request each, joining vLLM's running batch (`submit` / `step`)."""
+        from grouprl.rollout.engines.vllm_session import VLLMSession
+
+        return VLLMSession(self, prompts, n, images)

@@ -1,0 +1,460 @@
+"""The built-in engine's multi-turn sessions: each trajectory's KV cache kept between its turns.
+
+`KVSession` runs a turn of several rows together (`generate`, the agent's `turn` schedule): the
+rows' parked caches side by side, each row's new tokens prefilled after its own, then decoded as
+`HFEngine.generate` decodes. `RunningSession` adds continuous batching (`submit` / `step`, the
+`trajectory` schedule): one running batch that a row's turn joins at a decode-step boundary,
+after a prefill of its new tokens alone (the running rows are not stopped for it beyond that
+one forward pass), and leaves as soon as it ends, without waiting for the others.
+
+Randomness is the rows' own (`RowStreams`): a row draws one number a token from its stream,
+whichever rows share its batch. The floats a row's logits come from can still depend on its
+batch: a CPU BLAS may sum a product's terms in another order for another row count (on an Intel
+Xeon with MKL, F.linear's rows at 1-3, 5-7 and 9-11 rows differ in the last bits from the same
+rows at 4, 8 or 12 and more), and attention runs over the batch's width. So in float32 a row's
+samples equal the turn-by-turn schedule's wherever its products came out the same; a flip needs
+a draw within a rounding error of a boundary between two tokens, which is rare but happens
+(README, "How a turn is scheduled", says how often it was measured).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from grouprl import cpu
+from grouprl.rollout.engines import sampling
+from grouprl.rollout.engines.base import Generation, SamplingParams
+from grouprl.rollout.engines.streams import Randomness, for_rows
+
+
+class KVSession:
+    """Rows (one per trajectory) whose KV caches live across generate calls, so that a later
+    turn feeds the model only the tokens appended since the row's last turn.
+
+    Between calls each row's cache is parked on its own, holes removed: per layer a
+    ([H, L, D] keys, values) pair for its L cached tokens, whose positions are 0..L-1. A call
+    lays the parked rows side by side, left-padded to the longest (the padding masked out),
+    prefills each row's new tokens right-aligned after it with position_ids continuing from
+    L, and decodes as `HFEngine.generate` does; a row that ends is parked again before it
+    leaves the batch. The last sampled token of a turn is never fed in that turn, so it opens
+    the row's next feed. Assumes full attention (no sliding window shorter than the context).
+    """
+
+    def __init__(self, engine, prompts: list[list[int]], n: int, images: list[list] | None = None):
+        self.engine, self.prompts, self.n = engine, prompts, n
+        self.images = images  # per prompt, for a VLM policy
+        rows = len(prompts) * n
+        self.parked: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * rows
+        self.unfed: list[list[int]] = [list(prompts[r // n]) for r in range(rows)]  # context not in the cache
+        # images whose tokens are in `unfed`, and where each row's next token sits (the cache
+        # length for text; multimodal rope runs ahead of it after an image)
+        self.unfed_images: list[list] = [list(images[r // n]) if images else [] for r in range(rows)]
+        self.next_pos = [0] * rows
+        self.started = False
+
+    @torch.no_grad()
+    def generate(
+        self,
+        rows: list[int],
+        new_tokens: list[list[int]],
+        params: SamplingParams,
+        generator: Randomness = None,
+        new_images: list[list] | None = None,
+    ) -> list[Generation]:
+        """Append `new_tokens[i]` (with the images `new_images[i]` whose tokens it holds) to row
+        `rows[i]`'s context and sample its continuation (`generator`: a torch generator, or
+        streams over all the session's rows)."""
+        engine, model = self.engine, self.engine.model
+        engine.between_turns()
+        was_training = model.training
+        model.eval()
+        batch = self._prefill(rows, new_tokens, new_images)
+        starts = batch[3].tolist()  # the position of each row's first sampled token
+
+        def park(batch_rows, out_rows, cache, attention_mask):
+            for b, i in zip(batch_rows, out_rows):
+                real = attention_mask[b].nonzero().squeeze(-1)  # [L] positions of the row's real tokens
+                self.parked[rows[i]] = [
+                    (layer.keys[b].index_select(1, real), layer.values[b].index_select(1, real))
+                    for layer in cache.layers
+                ]
+
+        lps = [[] for _ in rows] if engine.report_log_probs else None
+        tokens, finish = engine._decode(*batch, params, for_rows(generator, rows), on_done=park, log_probs=lps)
+        for r, t, start in zip(rows, tokens, starts):
+            self.unfed[r] = t[-1:]
+            self.next_pos[r] = start + len(t) - 1  # the unfed last token's position
+        if was_training:
+            model.train()
+        return [
+            engine._generation(t, f, lps[k] if lps else None) for k, (t, f) in enumerate(zip(tokens, finish))
+        ]
+
+    def _prefill(self, rows: list[int], new_tokens: list[list[int]], new_images: list[list] | None):
+        """Prefill `rows`' unfed context and new tokens: every row's first turn at once is one
+        prefill per group (as generate does), else each row's parked cache with its feed after it.
+        -> (cache, logits [A, V], attention_mask [A, W], next_pos [A])."""
+        engine = self.engine
+        new_images = new_images if new_images is not None else [[] for _ in rows]
+        if not self.started and rows == list(range(len(self.parked))) and not any(new_tokens):
+            expand = self.n if engine.share_prompt_prefill else 1
+            prompts, images = self.prompts, self.images
+            if expand == 1:
+                prompts = [p for p in self.prompts for _ in range(self.n)]
+                images = [x for x in images for _ in range(self.n)] if images is not None else None
+            batch = engine._prefill_prompts(prompts, expand, images)  # one prefill per group, as generate does
+        else:
+            batch = self._prefill_rows(
+                rows,
+                [self.unfed[r] + list(t) for r, t in zip(rows, new_tokens)],
+                [self.unfed_images[r] + list(x) for r, x in zip(rows, new_images)],
+            )
+        self.started = True
+        for r in rows:
+            self.parked[r], self.unfed[r], self.unfed_images[r] = None, [], []  # now inside the batch cache
+        return batch
+
+    def _prefill_rows(self, rows: list[int], feeds: list[list[int]], feed_images: list[list]):
+        engine, device = self.engine, self.engine.device
+        parked = [self.parked[r] for r in rows]
+        lengths = torch.tensor([p[0][0].shape[1] if p else 0 for p in parked], device=device)  # [A]
+        cache = DynamicCache()
+        if int(lengths.max()) > 0:
+            template = next(p for p in parked if p)
+            layers = []
+            for j, (keys, values) in enumerate(template):
+                empty_k, empty_v = keys[:, :0], values[:, :0]
+                # [L, H, D] per row, left-padded to [A, W, H, D], back to [A, H, W, D]
+                pad = lambda ts: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
+                    [t.transpose(0, 1) for t in ts], batch_first=True, padding_side="left"
+                ).transpose(1, 2)
+                layers.append(
+                    (
+                        pad([p[j][0] if p else empty_k for p in parked]),
+                        pad([p[j][1] if p else empty_v for p in parked]),
+                    )
+                )
+            cache = DynamicCache(ddp_cache_data=layers)
+        width = int(lengths.max())
+        past_mask = (
+            torch.arange(width, device=device)[None, :] >= (width - lengths)[:, None]
+        ).long()  # [A, W]
+        feed_ids, feed_mask = sampling.left_pad(feeds, engine.pad_token_id, device)
+        attention_mask = torch.cat([past_mask, feed_mask], dim=-1)
+        inputs, position_ids, next_pos = engine._inputs(
+            feed_ids, feed_mask, feed_images, [self.next_pos[r] for r in rows]
+        )
+        out = engine.model(
+            **inputs,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        engine.prefill_tokens += sum(len(f) for f in feeds)
+        return cache, out.logits[:, -1, :], attention_mask, next_pos
+
+    def release(self, row: int) -> None:
+        """Drop a finished row's cache."""
+        self.parked[row] = None
+        self.unfed[row], self.unfed_images[row] = [], []
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer of a `_Batch`'s cache, as the model sees it: a decode step writes each running
+    row's key and value at that row's own next column and reads the batch's first `width` + 1
+    columns (the masked ones hold zeros or an earlier row's finite numbers)."""
+
+    def __init__(self, batch: _Batch, index: int):
+        super().__init__()
+        self.batch, self.index = batch, index
+        self.dtype, self.device, self.is_initialized = batch.dtype, batch.device, True
+        self._view()
+
+    def _view(self) -> None:
+        b = self.batch
+        self.keys = b.keys[self.index][: b.size, :, : b.width + 1]
+        self.values = b.values[self.index][: b.size, :, : b.width + 1]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        b = self.batch
+        if key_states.shape[-2] != 1:
+            raise ValueError("a running batch takes one token a row: rows join through their own prefill")
+        slots, cols = b.slots[: b.size], b.cols[: b.size]
+        keys, values = b.keys[self.index], b.values[self.index]
+        # [A, H, D] at each row's column, in the cache's dtype (the prefill's: under autocast the
+        # step's may be lower, and a plain cache layer's in-place write casts the same way)
+        keys[slots, :, cols] = key_states[:, :, 0].to(keys.dtype)
+        values[slots, :, cols] = value_states[:, :, 0].to(values.dtype)
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.batch.width
+
+
+class _Batch:
+    """The running rows' KV cache, a slot a row: per layer [slots, H, length, D] keys and values,
+    the attention mask [slots, length], each row's next column (`cols`) and next position
+    (`pos`). Rows 0..size-1 run; a row that leaves is replaced by the last one (that one row's
+    cache copied), a row that joins takes slot `size`. Rows write at their own columns, so
+    nobody moves when another joins with a longer or shorter context; `width` is the furthest
+    column any running row writes next."""
+
+    def __init__(self, template: DynamicCache, slots: int, length: int):
+        first = template.layers[0].keys
+        self.device, self.dtype = first.device, first.dtype
+        self.heads = [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in template.layers]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.size, self.col_list = 0, []  # running rows; their next columns on the host
+        self._allocate(slots, length)
+        self.cache = DynamicCache()
+        self.cache.layers = [_SlotLayer(self, j) for j in range(len(self.heads))]
+
+    @property
+    def width(self) -> int:
+        return max(self.col_list, default=0)
+
+    def _allocate(self, slots: int, length: int) -> None:
+        """Buffers of `slots` x `length`, the running rows' part copied over."""
+        old = (self.keys, self.values, getattr(self, "mask", None))
+        zeros = lambda *shape, dtype=None: torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)  # noqa: E731
+        self.keys = [zeros(slots, h, length, dk) for h, dk, _ in self.heads]
+        self.values = [zeros(slots, h, length, dv) for h, _, dv in self.heads]
+        self.mask = zeros(slots, length, dtype=torch.long)
+        cols, pos = getattr(self, "cols", None), getattr(self, "pos", None)
+        self.cols, self.pos = zeros(slots, dtype=torch.long), zeros(slots, dtype=torch.long)
+        self.slots = torch.arange(slots, device=self.device)
+        if old[2] is not None and self.size:
+            a, w = self.size, self.width
+            for new, was in zip(self.keys + self.values, old[0] + old[1]):
+                new[:a, :, :w] = was[:a, :, :w]
+            self.mask[:a, :w] = old[2][:a, :w]
+            self.cols[:a], self.pos[:a] = cols[:a], pos[:a]
+
+    def join(self, cache: DynamicCache, attention_mask: torch.Tensor, next_pos: torch.Tensor, room: int) -> None:
+        """Rows prefilled in `cache` ([J, H, W, D] a layer, `attention_mask` [J, W]) take the next
+        slots, with room for `room` more tokens each."""
+        joining, width = attention_mask.shape
+        slots, length = self.mask.shape
+        if self.size + joining > slots or width + room > length:  # grown by half at least: few copies
+            more_slots = slots if self.size + joining <= slots else max(self.size + joining, slots * 3 // 2)
+            self._allocate(more_slots, length if width + room <= length else max(width + room, length * 3 // 2))
+        a, b = self.size, self.size + joining
+        for j, layer in enumerate(cache.layers):
+            self.keys[j][a:b, :, :width] = layer.keys
+            self.values[j][a:b, :, :width] = layer.values
+        self.mask[a:b] = 0
+        self.mask[a:b, :width] = attention_mask
+        self.cols[a:b], self.pos[a:b] = width, next_pos
+        self.size, self.col_list = b, self.col_list + [width] * joining
+
+    def parked(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Slot `slot`'s cache, holes removed: per layer ([H, L, D] keys, values), a copy."""
+        real = self.mask[slot, : self.col_list[slot]].nonzero().squeeze(-1)  # [L] its real tokens' columns
+        return [(k[slot].index_select(1, real), v[slot].index_select(1, real)) for k, v in zip(self.keys, self.values)]
+
+    def leave(self, slot: int) -> None:
+        """The row in `slot` leaves; the last running row moves into its slot."""
+        last = self.size - 1
+        if slot != last:
+            w = self.col_list[last]
+            for buffer in self.keys + self.values:
+                buffer[slot, :, :w] = buffer[last, :, :w]
+            self.mask[slot] = self.mask[last]
+            self.cols[slot], self.pos[slot] = self.cols[last], self.pos[last]
+            self.col_list[slot] = self.col_list[last]
+        self.col_list.pop()
+        self.size = last
+
+    def forward(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each running row its token [A] at its column -> logits [A, V]."""
+        a = self.size
+        self.mask[self.slots[:a], self.cols[:a]] = 1
+        width = self.width
+        for layer in self.cache.layers:
+            layer._view()
+        out = model(
+            input_ids=tokens.unsqueeze(-1),
+            attention_mask=self.mask[:a, : width + 1],
+            position_ids=self.pos[:a].unsqueeze(-1),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cols[:a] += 1
+        self.pos[:a] += 1
+        self.col_list = [c + 1 for c in self.col_list]
+        return out.logits[:, -1, :]
+
+
+ADMIT_WAIT = 3  # steps a queued turn may wait to share its prefill with turns queued after it
+
+
+class _Turn:
+    """A running turn: its row, settings, what it sampled so far."""
+
+    def __init__(self, row: int, index: int, params: SamplingParams, start: int, version, lps: bool):
+        self.row, self.index, self.params, self.start, self.version = row, index, params, start, version
+        self.tokens: list[int] = []
+        self.log_probs: list[float] | None = [] if lps else None
+        self.finish = "length"
+
+
+class RunningSession(KVSession):
+    """A KVSession whose turns run in one batch that they join and leave one by one (`submit` /
+    `step`, see the module docstring). Newer weights offered to the engine wait
+    until no turn is running (turns queued meanwhile wait with them), so each turn samples from
+    one version."""
+
+    def __init__(self, engine, prompts, n, images=None):
+        super().__init__(engine, prompts, n, images)
+        self.queued: list[tuple[int, list[int], SamplingParams, list]] = []
+        self.generator: Randomness = None
+        self.batch: _Batch | None = None
+        self.running: list[_Turn] = []  # slot i's turn
+        self.logits: torch.Tensor | None = None  # [A, V] the running rows' next-token logits
+        self.turns = [0] * len(self.parked)  # turns each row has started
+        self.waited = 0  # steps the queued turns have waited
+
+    def submit(self, row, new_tokens, params, generator=None, new_images=None) -> None:
+        if generator is not None:
+            self.generator = generator
+        self.queued.append((row, list(new_tokens), params, list(new_images or [])))
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, Generation]]:
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            self._admit()
+            if not self.running:
+                return []
+            with cpu.fast_decode(model):
+                return self._advance()
+        finally:
+            if was_training:
+                model.train()
+
+    def release(self, row: int) -> None:
+        """Drop the row: its queued turn, its running turn (it leaves the batch), its cache."""
+        self.queued = [turn for turn in self.queued if turn[0] != row]
+        for i, turn in enumerate(self.running):
+            if turn.row == row:
+                self._drop(i)
+                self.engine.running_turns -= 1
+                break
+        super().release(row)
+
+    def _admit(self) -> None:
+        """Prefill the queued turns (together) and let them join the running batch: at once when
+        nothing runs or as many are queued as run, else after ADMIT_WAIT steps (a prefill pass
+        costs a decode step's read of every weight, whatever its rows: turns that come back a
+        step or two apart share one)."""
+        engine = self.engine
+        if not self.queued or (engine.offers.pending and self.running):
+            return  # nothing to admit, or newer weights wait for the running turns to end
+        self.waited += 1
+        if self.running and len(self.queued) < len(self.running) and self.waited <= ADMIT_WAIT:
+            return
+        self.waited = 0
+        engine.between_turns()
+        queued, self.queued = sorted(self.queued, key=lambda turn: turn[0]), []
+        rows = [turn[0] for turn in queued]
+        cache, logits, attention_mask, next_pos = self._prefill(rows, [t[1] for t in queued], [t[3] for t in queued])
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            raise ValueError("continuous batching (agent.schedule=trajectory) needs a model of full-attention layers")
+        room = max(turn[2].max_new_tokens for turn in queued)
+        if self.batch is None:
+            self.batch = _Batch(cache, len(self.parked), attention_mask.shape[1] + room)
+        self.batch.join(cache, attention_mask, next_pos, room)
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        for turn, start in zip(queued, next_pos.tolist()):
+            row = turn[0]
+            self.running.append(_Turn(row, self.turns[row], turn[2], start, engine.policy_version, engine.report_log_probs))
+            self.turns[row] += 1
+        engine.running_turns += len(queued)
+
+    def _draw(self) -> torch.Tensor:
+        """One token per running row, from its logits and its own stream -> [A]."""
+        engine, rows = self.engine, [turn.row for turn in self.running]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=self.logits.device)
+        for params, slots in self._by_sampling():
+            index = torch.tensor(slots, device=self.logits.device)
+            logits = self.logits if len(slots) == len(rows) else self.logits[index]
+            draw = for_rows(self.generator, [rows[i] for i in slots])
+            tokens[index] = sampling.sample_next(logits, params, draw, engine._banned(logits))
+        return tokens
+
+    def _by_sampling(self) -> list[tuple[SamplingParams, list[int]]]:
+        """The running slots grouped by how they sample (temperature, top-k, top-p)."""
+        groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
+        for i, turn in enumerate(self.running):
+            p = turn.params
+            groups.setdefault((p.temperature, p.top_k, p.top_p), (p, []))[1].append(i)
+        return list(groups.values())
+
+    def _advance(self) -> list[tuple[int, Generation]]:
+        """Sample every running row's next token; the rows that ended leave (parked), the others
+        are fed theirs. -> the ended turns, (row, generation), by row."""
+        engine = self.engine
+        tokens = self._draw()
+        log_probs = [0.0] * len(self.running)
+        if engine.report_log_probs:
+            for params, slots in self._by_sampling():
+                index = torch.tensor(slots, device=tokens.device)
+                for i, lp in zip(slots, engine._log_probs(self.logits[index], tokens[index], params.temperature)):
+                    log_probs[i] = lp
+        ended = []
+        for i, (turn, token) in enumerate(zip(self.running, tokens.tolist())):
+            turn.tokens.append(token)
+            if turn.log_probs is not None:
+                turn.log_probs.append(log_probs[i])
+            if self._ends(turn, token):
+                ended.append(i)
+        done = []
+        for i in reversed(ended):  # the last slots first: a moved row is never one that ends
+            turn = self.running[i]
+            self._park(i, turn)
+            done.append((turn.row, engine._generation(turn.tokens, turn.finish, turn.log_probs, turn.version)))
+            tokens[i] = tokens[len(self.running) - 1]
+            self._drop(i)
+        engine.running_turns -= len(ended)
+        if self.running:
+            self.logits = self.batch.forward(engine.model, tokens[: len(self.running)])
+            engine.decode_tokens += len(self.running)
+        return sorted(done, key=lambda ended_turn: ended_turn[0])
+
+    def _ends(self, turn: _Turn, token: int) -> bool:
+        """Whether `token` ends the turn (EOS, a stop string, or its token limit); sets its finish."""
+        engine, params = self.engine, turn.params
+        if token in engine.eos_token_ids and not params.ignore_eos:
+            turn.finish = "eos"
+        elif params.stop and engine._may_end_stop(token, {s[-1] for s in params.stop if s}):
+            window = max(len(s) for s in params.stop) + 8
+            tail = engine.tokenizer.decode(turn.tokens[-window:], skip_special_tokens=False)
+            if any(s in tail for s in params.stop):
+                turn.finish = "stop"
+        return turn.finish != "length" or len(turn.tokens) >= params.max_new_tokens
+
+    def _park(self, slot: int, turn: _Turn) -> None:
+        """What the row's next turn starts from: its cache and its last token."""
+        row = turn.row
+        self.parked[row] = self.batch.parked(slot)
+        self.unfed[row] = turn.tokens[-1:]
+        self.next_pos[row] = turn.start + len(turn.tokens) - 1  # the unfed last token's position
+
+    def _drop(self, slot: int) -> None:
+        """Slot `slot` leaves the batch; the last running row takes its place."""
+        last = len(self.running) - 1
+        self.batch.leave(slot)
+        self.running[slot] = self.running[last]
+        self.running.pop()
+        if self.logits is not None:
+            if slot != last:
+                self.logits[slot] = self.logits[last]
+            self.logits = self.logits[:last] if last else None
