@@ -114,11 +114,15 @@ def _describe_update(cfg) -> list[str]:
     b, n = cfg.data.train_batch_size, cfg.rollout.n_agent
     mini = cfg.actor.mini_batch_size or b
     mini_samples = mini * n
-    accum = -(-mini_samples // cfg.actor.micro_batch_size)
+    t = cfg.trainer  # the ranks the plan is for: the cluster it names, else the launcher's
+    world = t.nnodes * t.n_gpus_per_node if t.n_gpus_per_node else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    share = -(-mini_samples // world)  # each rank holds its part of a mini-batch
+    accum = -(-share // cfg.actor.micro_batch_size)
+    ranks = f" on each of the {world} ranks ({share} samples each)" if world > 1 else ""
     micro = (
         f"micro-batches: <= {cfg.actor.micro_batch_tokens} tokens each (dynamic), groups split when needed"
         if cfg.actor.micro_batch_tokens
-        else f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch"
+        else f"micro-batches: {cfg.actor.micro_batch_size} samples -> {accum} accumulation step(s) per mini-batch{ranks}"
     )
     lines = [
         f"batch: {b} prompts x {n} samples = {b * n} trajectories per step",
@@ -216,6 +220,13 @@ def _describe_episode(cfg) -> list[str]:
     )
     lines.append(f"reward: {comps}{judges}{' (streamed per group)' if cfg.reward.streaming else ''}")
     lines += describe_rewards(cfg)
+    from grouprl.rewards.composite import describe_components
+    from grouprl.rewards.probe import probe_rewards
+
+    if cfg.reward.streaming and any(reads is not None and "prompts" in reads for _, _, reads in describe_components(cfg.reward)):
+        lines.append("TRL-style rewards are called once per group as each finishes (reward.streaming); "
+                     "reward.streaming=false calls them once per batch, as TRL does")  # fmt: skip
+    lines += probe_rewards(cfg)  # each reward called once on a row: one that cannot run is the error line
     for m in cfg.reward.models:  # each in the reward-model worker, on its own device
         what = f"{m.kind} {m.path or m.base_url or '(built-in)'} on {m.device}, batches of {m.batch_size}"
         lines.append(f"reward model {m.name}: {what}" + (f", scores {m.images_from}'s images" if m.images_from else ""))
@@ -257,12 +268,16 @@ def describe_memory(cfg) -> tuple[list[str], bool, object]:
     config with its device-dependent `auto` settings made concrete (as the run would); a model
     config that cannot be read without loading is said in a line (and counts as fitting)."""
     from grouprl.errors import ModelLoadError
+    from grouprl.hub import cache_only_when_offline
     from grouprl.trainer.memory import devices_for, model_shape, plan_memory, refusal, settle_for_devices
     from grouprl.trainer.models import config_without_weights
 
     try:
-        config = config_without_weights(cfg.model)
+        with cache_only_when_offline(cfg.model.path) as offline:
+            config = config_without_weights(cfg.model)
     except (ModelLoadError, OSError, ValueError) as e:
+        if offline:
+            return [f"memory plan: not made, the hub is not reachable from here and {cfg.model.path}'s config is not in its cache"], True, cfg
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return [f"memory plan: not made, model.path's config.json could not be read ({first})"], True, cfg
     shape = model_shape(cfg.model, config)
