@@ -29,6 +29,7 @@ import torch
 
 import grouprl.rollout.engines.vllm as vllm_module
 import grouprl.trainer.evaluation as evaluation_module
+import grouprl.trainer.learner as learner_module
 import grouprl.trainer.step as step_module
 from grouprl.config import RolloutConfig, load_config
 from grouprl.errors import ConfigError
@@ -190,7 +191,7 @@ def fake_vllm(monkeypatch):
 
     monkeypatch.setattr(FakeLLM, "latest", None)
     monkeypatch.setattr(vllm_module, "release_cached_memory", release)
-    monkeypatch.setattr(step_module, "release_cached_memory", release)
+    monkeypatch.setattr(learner_module, "release_cached_memory", release)
     return vllm
 
 

@@ -116,27 +116,27 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     from grouprl.trainer.update import PolicyUpdater
 
     plain = run(tmp_path / "plain", model_dir, "actor.reference_offload=false")
-    assert not plain.parts.reference_parked.enabled  # auto on a CPU is off too
+    assert not plain.parts.reference.parked.enabled  # auto on a CPU is off too
     plain.fit()
 
     monkeypatch.setattr(offload, "parks", lambda device: True)
     seen: list[tuple[str, str, str]] = []
     trainer = run(tmp_path / "parked", model_dir, "actor.reference_offload=true", "actor.optimizer_offload=true")
     parts = trainer.parts
-    ref_tensors = [*trainer.ref_model.parameters(), *trainer.ref_model.buffers()]
-    assert parts.reference_parked.where == "host" and all(held(t) == 0 for t in ref_tensors)  # out from the start
+    ref_tensors = [*trainer.parts.reference.model.parameters(), *trainer.parts.reference.model.buffers()]
+    assert parts.reference.parked.where == "host" and all(held(t) == 0 for t in ref_tensors)  # out from the start
 
     generate, score_all, step = HFEngine.generate, PolicyUpdater.score_all, trainer.optimizer.step
 
     def watch(what):
-        seen.append((what, parts.reference_parked.where, parts.optimizer_parked.where))
+        seen.append((what, parts.reference.parked.where, parts.optimizer_parked.where))
 
     def watched_generate(self, *args, **kwargs):
         watch("generate")
         return generate(self, *args, **kwargs)
 
     def watched_score_all(self, model, tensors):
-        watch("reference" if model is parts.ref_model else "policy")
+        watch("reference" if model is parts.reference.model else "policy")
         return score_all(self, model, tensors)
 
     @functools.wraps(step)  # as the scheduler's own wrapper (which it checks for)
@@ -147,7 +147,7 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     monkeypatch.setattr(HFEngine, "generate", watched_generate)
     monkeypatch.setattr(PolicyUpdater, "score_all", watched_score_all)
     monkeypatch.setattr(trainer.optimizer, "step", watched_step)
-    host_buffers = dict(parts.reference_parked._host)
+    host_buffers = dict(parts.reference.parked._host)
     trainer.fit()
 
     kinds = {what for what, *_ in seen}
@@ -159,9 +159,9 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
             assert (reference, optimizer) == ("device", "host"), what
         elif what == "optimizer step":
             assert (reference, optimizer) == ("host", "device"), what
-    assert parts.reference_parked.where == "host" and parts.optimizer_parked.where == "host"
+    assert parts.reference.parked.where == "host" and parts.optimizer_parked.where == "host"
     # the reference's host buffers made once, at the start, and reused every step
-    assert host_buffers and all(parts.reference_parked._host[k] is b for k, b in host_buffers.items())
+    assert host_buffers and all(parts.reference.parked._host[k] is b for k, b in host_buffers.items())
     state_tensors = [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
     assert state_tensors and all(held(v) == 0 for v in state_tensors)  # AdamW's state parked after the run
 
@@ -173,8 +173,8 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     assert metrics(plain) == metrics(trainer) and len(metrics(plain)) >= 2
     for (n, p), (_, q) in zip(plain.model.named_parameters(), trainer.model.named_parameters()):
         assert torch.equal(p, q), n
-    with parts.reference_parked.present():
-        for (n, p), (_, q) in zip(plain.ref_model.named_parameters(), trainer.ref_model.named_parameters()):
+    with parts.reference.parked.present():
+        for (n, p), (_, q) in zip(plain.parts.reference.model.named_parameters(), trainer.parts.reference.model.named_parameters()):
             assert torch.equal(p, q), n
     state = lambda t: [v for s in t.optimizer.state.values() for v in s.values()]  # noqa: E731
     with parts.optimizer_parked.present():
@@ -183,6 +183,6 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     # the checkpoint the run saved resumes with them out of the device again
     resumed = run(tmp_path / "parked", model_dir, "actor.reference_offload=true", "actor.optimizer_offload=true", "trainer.total_steps=3")
     assert resumed.step == 2
-    assert resumed.parts.reference_parked.where == "host" and resumed.parts.optimizer_parked.where == "host"
+    assert resumed.parts.reference.parked.where == "host" and resumed.parts.optimizer_parked.where == "host"
     with resumed.parts.optimizer_parked.present():
         assert all(torch.equal(a, b) for a, b in zip(state(plain), state(resumed), strict=True))

@@ -15,9 +15,10 @@ from grouprl.rollout.engines.base import Generation, RolloutEngine
 from grouprl.rollout.engines.streams import RowStreams, mix_seed
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.trajectory import Trajectory
+from grouprl.trainer.learner import Learner
 from grouprl.trainer.parallel import Ranks
 from grouprl.trainer.setup import build
-from grouprl.trainer.step import Collector, Learner
+from grouprl.trainer.step import Collector
 from grouprl.trainer.step_batch import Group, Loaded, StepBatch
 from grouprl.trainer.update import build_step_tensors
 
@@ -287,6 +288,7 @@ def test_each_metric_of_a_step_has_one_writer(config, monkeypatch):
     """A step's metrics are joined from parts (metric_parts.merge); every part of a collect and
     a learn is recorded and no key comes from two of them; the reward means come from the
     batch summary alone (a scoring reports its tallies only)."""
+    import grouprl.trainer.learner as learner_module
     import grouprl.trainer.step as step_module
     from grouprl.trainer.metric_parts import MetricClash, merge
 
@@ -299,6 +301,7 @@ def test_each_metric_of_a_step_has_one_writer(config, monkeypatch):
         return merge(*parts)
 
     monkeypatch.setattr(step_module, "merge", recording)
+    monkeypatch.setattr(learner_module, "merge", recording)
     parts = parts_for(config)
     batch = Collector(parts.cfg, parts).collect(step=0)
     learned = Learner(parts.cfg, parts).learn(batch).metrics

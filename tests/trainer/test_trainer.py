@@ -260,7 +260,7 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path, model_dir):
         "trainer.total_steps=2",
         "trainer.val_before_train=false",
     )
-    assert trainer.ref_model == "adapters-disabled"  # no second copy of the model
+    assert trainer.parts.reference.kind == "adapters" and trainer.parts.reference.model is None  # no second copy of the model
     names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     assert len(trainer.params) == len(names)
@@ -302,7 +302,7 @@ def test_lora_with_ref_refresh_is_rejected_before_loading():
 # ------------------------------------------------------------------------- KL reference
 def test_kl_loss_uses_a_frozen_copy(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "actor.kl_loss_coef=0.1")
-    ref = trainer.ref_model
+    ref = trainer.parts.reference.model
     assert isinstance(ref, torch.nn.Module) and ref is not trainer.model
     assert not any(p.requires_grad for p in ref.parameters())
     policy_ptrs = {p.data_ptr() for p in trainer.model.parameters()}
@@ -318,7 +318,7 @@ def test_kl_loss_uses_a_frozen_copy(tmp_path, model_dir):
 
 
 def test_no_kl_no_reference(tmp_path, model_dir):
-    assert make_trainer(tmp_path, model_dir).ref_model is None
+    assert not make_trainer(tmp_path, model_dir).parts.reference.active
 
 
 def test_kl_in_reward_is_logged_and_shapes_advantages(tmp_path, model_dir):
@@ -339,7 +339,7 @@ def test_ref_refresh_copies_the_policy(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "actor.kl_loss_coef=0.1", "algorithm.ref_refresh_steps=2")
 
     def same() -> bool:  # the reference holds the policy's weights (its linear ones in bf16 under bf16 autocast)
-        ref = dict(trainer.ref_model.named_parameters())
+        ref = dict(trainer.parts.reference.model.named_parameters())
         return all(torch.equal(p.to(ref[n].dtype), ref[n]) for n, p in trainer.model.named_parameters())
 
     assert same()

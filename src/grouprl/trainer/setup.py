@@ -57,6 +57,7 @@ from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, parks_beside,
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, load_into, shard
 from grouprl.trainer.pipeline import trainable_names
+from grouprl.trainer.reference import Reference
 from grouprl.trainer.slices import Checkpoint
 from grouprl.trainer.update import PolicyUpdater
 from grouprl.vision.families import is_vision_config
@@ -252,7 +253,7 @@ class Parts:
     prompt_stats: dict[str, float]
     sampler: Sampler  # PromptSampler, or the online curriculum
     total_steps: int
-    ref_model: torch.nn.Module | str | None  # a frozen copy, "adapters-disabled" (LoRA), or none
+    reference: Reference  # the KL term's: a frozen copy, the LoRA policy's adapters disabled, or none
     policy: torch.nn.Module  # what the update runs: the model, or its FSDP2 root over several ranks
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -262,7 +263,6 @@ class Parts:
     single_turn: SingleTurn
     streaming: StreamingRewards | None  # groups scored while the rest of the batch generates
     updater: PolicyUpdater
-    reference_parked: ParkedModule  # the reference's weights in host memory outside its pass
     optimizer_parked: ParkedOptimizer  # AdamW's state in host memory outside the update
     # rollout.max_staleness > 0: what generates ahead of the update, on a thread of its own
     ahead: Ahead | None = None
@@ -302,6 +302,18 @@ def make_reference(cfg: Config, model: torch.nn.Module, is_lora: bool, skeleton=
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def reference_of(ref_model: torch.nn.Module | str | None, device, parked: bool) -> Reference:
+    """make_reference's answer as the Reference the learner and checkpoints use; a frozen copy
+    goes to host memory now where actor.reference_offload asks (its pass brings it back)."""
+    if ref_model is None:
+        return Reference("none")
+    if isinstance(ref_model, str):
+        return Reference("adapters")
+    parking = ParkedModule(ref_model, device, enabled=parked)
+    parking.out()
+    return Reference("frozen", ref_model, parking)
 
 
 def generation_engine(cfg: Config, model_path: str, device: str, dtype, rollout_dtype, share_cores: bool = False):
@@ -554,8 +566,7 @@ def build(cfg: Config) -> Parts:
     # what lives in host memory between its uses (actor.reference_offload / optimizer_offload)
     # nothing to park under FSDP's own offload: the shards and AdamW's state live in host memory
     beside = parks_beside(a.fsdp_offload, ranks.distributed, device)
-    reference_parked = ParkedModule(models.ref_model, device, enabled=wanted(a.reference_offload, device) and beside)
-    reference_parked.out()
+    reference = reference_of(models.ref_model, device, wanted(a.reference_offload, device) and beside)
     optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload) and beside)
     optimizer_parked.out()  # (no state before the first step)
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
@@ -567,9 +578,9 @@ def build(cfg: Config) -> Parts:
         engine_differs=engine_differs, rollout_is=rollout_is, tokenizer=tokenizer, model=model,
         is_lora=cfg.model.lora.rank > 0, vision=vision, family=models.loaded.family, encoder=encoder,
         train_prompts=train_prompts, val_prompts=val_prompts, prompt_stats=prompt_stats, sampler=sampler,
-        total_steps=total_steps, ref_model=models.ref_model, policy=models.policy, params=params,
+        total_steps=total_steps, reference=reference, policy=models.policy, params=params,
         optimizer=optimizer, scheduler=scheduler, engine=engine, agent=agent, single_turn=SingleTurn(engine),
         streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
         updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks, device),
-        reference_parked=reference_parked, optimizer_parked=optimizer_parked, ahead=ahead,
+        optimizer_parked=optimizer_parked, ahead=ahead,
     )  # fmt: skip

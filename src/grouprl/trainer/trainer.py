@@ -26,13 +26,13 @@ from grouprl.trainer.checkpoint import CheckpointManager, rng_state, set_rng_sta
 from grouprl.trainer.evaluation import Evaluator, Progress
 from grouprl.trainer.export import export_model
 from grouprl.trainer.image_report import write_report
+from grouprl.trainer.learner import Learner
 from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.memory import PeakMeter
 from grouprl.trainer.metric_parts import merge
-from grouprl.trainer.parallel import inner
 from grouprl.trainer.pipeline import RolloutPipeline
 from grouprl.trainer.setup import Parts, build
-from grouprl.trainer.step import Collector, Learner, reduce_step_metrics
+from grouprl.trainer.step import Collector, reduce_step_metrics
 from grouprl.trainer.step_batch import NOT_LEARNED, StepBatch
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Trainer:
         path = Path(t.resume_from_path) if t.resume_mode == "path" else self.checkpoints.latest()
         if path is None:
             return
-        ref = self.parts.ref_model if isinstance(self.parts.ref_model, torch.nn.Module) else None
+        ref = self.parts.reference.frozen_model
         with self._parked_present():  # loaded where they live during the update, parked after
             state = CheckpointManager.load(path, self.parts.policy, self.parts.optimizer, self.parts.scheduler, ref_model=ref)
         self.step = state["step"]
@@ -144,7 +144,7 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
-        ref = self.parts.ref_model if isinstance(self.parts.ref_model, torch.nn.Module) else None
+        ref = self.parts.reference.frozen_model
         state = trainer_state or self._trainer_state()
         with self._parked_present():  # saved as the update sees them (sharded saves gather on the device)
             path = self.checkpoints.save(
@@ -164,7 +164,7 @@ class Trainer:
         """For a save or load: the reference and the optimizer state on the device inside (they
         live in host memory between their uses with actor.reference_offload / optimizer_offload,
         their tensors empty on the device)."""
-        with self.parts.reference_parked.present(), self.parts.optimizer_parked.present():
+        with self.parts.reference.present(), self.parts.optimizer_parked.present():
             yield
 
     # ------------------------------------------------------------------ one step
@@ -199,9 +199,8 @@ class Trainer:
         self.counters["skipped_steps"] += learned.skipped_steps  # the same on every rank
         self.counters["reward_errors"] += int(p.ranks.reduce([float(batch.reward_errors)])[0])  # every rank's
         refresh = self.cfg.algorithm.ref_refresh_steps
-        if refresh and self.step % refresh == 0 and isinstance(p.ref_model, torch.nn.Module):
-            with p.reference_parked.present():
-                inner(p.ref_model).load_state_dict(p.model.state_dict())
+        if refresh and self.step % refresh == 0:
+            p.reference.refresh(p.model)
         # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
         # this step's state with this step's weights, not the state from before it
         self._pre_step_state = self._trainer_state()
