@@ -82,3 +82,27 @@ def test_the_checks_see_what_they_look_for():
         "z = isinstance(value, PromptSampler)\n"
     )
     assert sorted(engine_class_checks(code, SAMPLER_CLASSES, "sampler")) == [1, 2, 3]
+
+
+BUILT_IN_ENGINES = {"HFEngine", "VLLMEngine"}  # made by build_engine; EngineProcess hosts one of them
+
+
+def engine_constructions(tree: ast.AST) -> list[int]:
+    """Lines that construct a rollout engine class directly."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) in BUILT_IN_ENGINES
+    ]
+
+
+def test_engines_are_made_by_build_engine():
+    outside = {
+        f"{path.relative_to(SRC)}:{line}"
+        for path, tree in sources()
+        if path.relative_to(SRC).parts[:2] != ("rollout", "engines")
+        for line in engine_constructions(tree)
+    }
+    assert not outside, sorted(outside)
+    assert engine_constructions(ast.parse("e = HFEngine(m, t)\nv = engines.VLLMEngine(m)\nb = build_engine(None, m, t)\n")) == [1, 2]

@@ -72,7 +72,7 @@ class LocalAnswerGenerator:
     ) -> LocalAnswerGenerator:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from grouprl.rollout.engines.hf import HFEngine
+        from grouprl.rollout.engines import build_engine
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -82,7 +82,7 @@ class LocalAnswerGenerator:
                 f"could not load the answer generator 'hf:{path}': {type(e).__name__}: {e}"
             ) from None
         model.requires_grad_(False)
-        return cls(HFEngine(model, tokenizer), max_tokens)
+        return cls(build_engine(None, model, tokenizer), max_tokens)
 
     async def answer(self, requests: list[AnswerRequest]) -> list[AnswerResult]:
         if not requests:

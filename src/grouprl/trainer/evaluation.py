@@ -145,12 +145,12 @@ def answer_held_out(
     in order: its Trajectory (not scored yet), or the Sample itself where the prompt is over
     data.max_prompt_length (prompt_overflow: skip, or keep the last tokens; a prompt with images
     is never cut). `vision`: a VLM's processor."""
-    from grouprl.rollout.engines.hf import HFEngine
+    from grouprl.rollout.engines import build_engine
 
     d, r = cfg.data, cfg.rollout
     was_training = model.training
     model.eval()
-    engine = HFEngine(model, tokenizer, vision=vision.family if vision is not None else None)
+    engine = build_engine(None, model, tokenizer, vision=vision.family if vision is not None else None)
     params = SamplingParams(max_new_tokens=r.max_response_length, temperature=0.0, stop=list(r.stop))
     batch = r.gen_batch_size or 64
     out: list[Trajectory | Sample] = []

@@ -261,12 +261,12 @@ def preview(
     """Greedy first turn of each conversation (its messages before the first trained one);
     `vision`: a VLM's processor, which shows the turn's images."""
     from grouprl.data.prompts import encode_prompt
-    from grouprl.rollout.engines.hf import HFEngine, SamplingParams
+    from grouprl.rollout.engines import SamplingParams, build_engine
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    engine = HFEngine(model, tokenizer, vision=vision.family) if vision is not None else None
+    engine = build_engine(None, model, tokenizer, vision=vision.family) if vision is not None else None
     out = []
     for c in conversations:
         if engine is not None:

@@ -53,7 +53,8 @@ def build_engine(
     sharded=None,
     device=None,
 ) -> RolloutEngine:
-    """The engine `cfg.engine` names (cfg: the rollout config) over the policy `model`, loaded
+    """The engine `cfg.engine` names (cfg: the rollout config; None: the built-in engine with its
+    defaults, for greedy answers outside a run's rollout) over the policy `model`, loaded
     from `model_path`; `dtype` is the generation precision (None: the parameters'); `vision`
     the VLM family of a policy that reads images; `report_log_probs`: the built-in engine records
     each sampled token's log-prob (None: as cfg.check_log_probs says; vLLM always does);
@@ -61,10 +62,12 @@ def build_engine(
     layer from it; the built-in engine generates inside the trainer's `gathered`); `device`: the
     trainer's (None: the parameters')."""
     where = torch.device(device) if device is not None else next(model.parameters()).device
-    engine = resolve_engine(cfg.engine, where.type)
+    engine = "hf" if cfg is None else resolve_engine(cfg.engine, where.type)
     if engine == "hf":
         from grouprl.rollout.engines.hf import HFEngine
 
+        if cfg is None:
+            return HFEngine(model, tokenizer, vision=vision, report_log_probs=bool(report_log_probs))
         return HFEngine(
             model,
             tokenizer,
