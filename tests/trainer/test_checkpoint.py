@@ -109,7 +109,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, uninterr
     assert final_a.keys() == final_b.keys()
     for name in final_a:
         assert torch.allclose(final_a[name], final_b[name], atol=1e-6, rtol=0), name
-    ref_a, ref_b = dict(trainer_a.ref_model.named_parameters()), dict(second.ref_model.named_parameters())
+    ref_a, ref_b = dict(trainer_a.parts.reference.model.named_parameters()), dict(second.parts.reference.model.named_parameters())
     assert all(torch.allclose(ref_a[n], ref_b[n], atol=1e-6, rtol=0) for n in ref_a)
     assert second.optimizer.param_groups[0]["lr"] == pytest.approx(trainer_a.optimizer.param_groups[0]["lr"])
 

@@ -99,7 +99,7 @@ def test_the_update_is_blind_without_the_images(tmp_path, monkeypatch):
         blank = trainer.vision.prepare_image(Image.new("RGB", (56, 56)))
         return dataclasses.replace(tensors, prompt_images=[[blank for _ in row] for row in tensors.prompt_images])
 
-    monkeypatch.setattr("grouprl.trainer.step.build_step_tensors", blind)
+    monkeypatch.setattr("grouprl.trainer.learner.build_step_tensors", blind)
     metrics, _, _ = trainer.train_step()
     assert metrics["rollout/mismatch_max"] > 1e-3
 

@@ -110,6 +110,6 @@ def test_the_update_sees_the_observation_images(tmp_path, slides, monkeypatch, f
             assert row[blanked].num_tokens == shown.num_tokens  # only the pixels differ
         return tensors
 
-    monkeypatch.setattr("grouprl.trainer.step.build_step_tensors", blind)
+    monkeypatch.setattr("grouprl.trainer.learner.build_step_tensors", blind)
     metrics, _, _ = trainer.train_step()
     assert metrics["rollout/mismatch_max"] > 1e-4  # exact: below 1e-5 (the test above)

@@ -72,6 +72,14 @@ def reduce_step_metrics(metrics: dict[str, float], ranks) -> dict[str, float]:
     return merge(reduce_metrics(rest, ranks), combine(ranks.gather((1.0, scored))))
 
 
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A trajectory's rewards alone, as the batch summary reads them."""
+
+    reward: float
+    rewards: dict[str, float]
+
+
 class Collector:
     """Draws a step's prompts, rolls them out (single-turn or agent) and scores them."""
 
@@ -310,9 +318,15 @@ class Collector:
         for key in ("engine", "tools"):  # an agent's: the engine generating, some tool call in flight
             if key in clock:
                 times[f"time/{key}"] = clock[key]
-        # the batch's reward means: written here only, over the groups this rank keeps
-        summary = batch_summary([t for g in groups if g.place is not None for t in g.trajectories])
-        return Settled(groups, dropped, merge(metrics, summary, p.sampler.metrics(), times))
+        return Settled(groups, dropped, merge(metrics, self._summary(groups), p.sampler.metrics(), times))
+
+    def _summary(self, groups: list[Group]) -> dict[str, float]:
+        """The batch's reward means: written here only, over every rank's kept groups in batch
+        order (each rank's rewards gathered, not its trajectories), so they are the same on
+        every rank and the same as one process's."""
+        mine = [(g.place, [(t.reward, dict(t.rewards)) for t in g.trajectories]) for g in groups if g.place is not None]
+        rows = [row for _, group in sorted(x for part in self.ranks.gather(mine) for x in part) for row in group]
+        return batch_summary([Scored(reward, rewards) for reward, rewards in rows])
 
     def _drop_failed(self, groups: list[Group], metrics: dict[str, float], curriculum: bool):
         """A judge failed under on_failure=drop_group: the group leaves the batch on every rank,

@@ -309,7 +309,7 @@ class Trainer:
                 if c.log_rollouts:
                     logs.rollouts(self, trajectories, advantages)
                 if c.test_freq and self.step % c.test_freq == 0 and self.step < self.parts.total_steps and self.parts.val_samples:
-                    metrics.update(self._evaluate_and_keep_best(logs))
+                    metrics = merge(metrics, self._evaluate_and_keep_best(logs))
                 logs.log(metrics, self.step)
                 if c.save_freq and self.step % c.save_freq == 0:
                     self.save_checkpoint()

@@ -293,9 +293,6 @@ class _Sizes:
             parts["one tensor's slice in flight"] = largest / self.shards
             if self.reference:
                 parts["reference shard"] = self.reference
-            if on_cpu:  # the host is the device: the file's pages a rank reads are mapped into it
-                copies = 2 if self.reference else 1
-                parts["checkpoint slices (mapped while read)"] = copies * shape.params * shape.file_bytes / self.shards * gb
         else:
             # one process loads the whole model, and copies it for the reference. On a CPU, weights
             # stored in their training dtype are mapped from the file, not copied: untouched until
