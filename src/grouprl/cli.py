@@ -221,14 +221,14 @@ def cmd_eval(args) -> int:
         raise UserError("grouprl eval needs held-out data: data.val_files, or a built-in task's data.task_val_size > 0")
     cfg.trainer.resume_mode = "disable"
     trainer = Trainer(cfg)
-    folder = Path(cfg.trainer.eval_dir) if cfg.trainer.eval_dir else trainer.run_dir / "eval"
+    folder = Path(cfg.trainer.eval_dir) if cfg.trainer.eval_dir else trainer.parts.run_dir / "eval"
     console = ConsoleLogger(0, console=Console(stderr=True)) if trainer.ranks.main else None
     try:
         result = trainer.evaluate(answers=folder, progress=console.chunk if console else None)
     finally:
         if console:
             console.close()
-        trainer.reward.close()
+        trainer.parts.reward.close()
     if trainer.ranks.main:
         for k, v in result.items():
             print(f"{k}: {v:.4f}")

@@ -54,7 +54,7 @@ def test_the_vlm_search_agent_recipe_runs_sft_then_rl_on_page_images(tmp_path, m
     ])  # fmt: skip
     assert cfg.agent.tools == ["search", "bbox"] and cfg.agent.answer_generator == "none"
     trainer = Trainer(cfg)
-    ForcedTurns(trainer.tokenizer, [f"<search>{word}</search>", "<bbox>[0, 0, 16, 16]</bbox>"]).install(monkeypatch)
+    ForcedTurns(trainer.parts.tokenizer, [f"<search>{word}</search>", "<bbox>[0, 0, 16, 16]</bbox>"]).install(monkeypatch)
     metrics, trajectories, _ = trainer.train_step()
     assert len(trajectories) == 4 * 4
     for t in trajectories:

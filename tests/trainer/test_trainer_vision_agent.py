@@ -54,19 +54,19 @@ def agent_trainer(tmp_path, family, slides, monkeypatch, *overrides):
         f"reward.components=[{{name: lower, function: '{reward}'}}]", "reward.val_metric=lower",
         "trainer.save_final=false", "trainer.save_best=false", "trainer.test_freq=0", *overrides,
     ]))
-    ForcedTurns(trainer.tokenizer, [f"<search>{word}</search>", BOX]).install(monkeypatch)
+    ForcedTurns(trainer.parts.tokenizer, [f"<search>{word}</search>", BOX]).install(monkeypatch)
     return trainer
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "idefics3"])
 def test_a_vlm_search_agent_trains_on_page_images_and_crops(tmp_path, family, slides, monkeypatch):
     trainer = agent_trainer(tmp_path, family, slides, monkeypatch, "trainer.total_steps=2", "data.image_max_pixels=6272")
-    assert trainer.agent is not None and trainer.vision is not None
+    assert trainer.parts.agent is not None and trainer.parts.vision is not None
     # the pixel cap of the data's images reaches the tools: the pages a search shows, the crops
-    assert trainer.agent.tools["search"].max_pixels == trainer.agent.tools["bbox"].max_pixels == 112 * 56
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainer.parts.agent.tools["search"].max_pixels == trainer.parts.agent.tools["bbox"].max_pixels == 112 * 56
+    before = {n: p.detach().clone() for n, p in trainer.parts.model.named_parameters() if p.requires_grad}
     metrics, trajectories, _ = trainer.train_step()
-    image_token = trainer.family.image_token_id
+    image_token = trainer.parts.family.image_token_id
     for t in trajectories:
         assert [r["action"] for r in t.turns][:2] == ["search", "bbox"]
         page, crop = t.response_images  # the first hit's page, then the crop of it
@@ -79,7 +79,7 @@ def test_a_vlm_search_agent_trains_on_page_images_and_crops(tmp_path, family, sl
     # the update scored every policy token as generation did, after both image observations
     assert metrics["rollout/mismatch_max"] < 1e-5, metrics["rollout/mismatch_max"]
     assert metrics["adv/max"] > 0 and metrics["actor/grad_norm"] > 0
-    moved = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    moved = [n for n, p in trainer.parts.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved
     trainer.fit()  # step 2 runs the same way through fit
     run = tmp_path / "runs" / "run"
@@ -106,7 +106,7 @@ def test_the_update_sees_the_observation_images(tmp_path, slides, monkeypatch, f
         tensors = real(trajectories, *args, **kwargs)
         for row in tensors.response_images:
             shown = row[blanked]
-            row[blanked] = trainer.vision.prepare_image(Image.new("RGB", shown.original_size))
+            row[blanked] = trainer.parts.vision.prepare_image(Image.new("RGB", shown.original_size))
             assert row[blanked].num_tokens == shown.num_tokens  # only the pixels differ
         return tensors
 

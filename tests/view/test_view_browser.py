@@ -80,8 +80,8 @@ def make_run(root: Path, judge_url: str, monkeypatch, model: str) -> Path:
     (root / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
     monkeypatch.setenv("VIEW_JUDGE_KEY", KEY)
     trainer = Trainer(load_config(str(root / "config.yaml"), []))
-    ForcedTurns(trainer.tokenizer, [f"<search>{word}</search>", f"<bbox>{BOX}</bbox>"]).install(monkeypatch)
-    run = trainer.run_dir
+    ForcedTurns(trainer.parts.tokenizer, [f"<search>{word}</search>", f"<bbox>{BOX}</bbox>"]).install(monkeypatch)
+    run = trainer.parts.run_dir
     trainer.evaluate(answers=run / "eval_start")  # before training, then after: two evaluations
     before_training = trainer.evaluate
     # fit's own last evaluation (its judge closes with it) writes what `grouprl eval` writes

@@ -7,7 +7,6 @@ setup.py, the two halves of a step from step.py, evaluation from evaluation.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -31,14 +30,11 @@ from grouprl.trainer.loggers import ConsoleLogger, RolloutWriter, make_loggers
 from grouprl.trainer.memory import PeakMeter
 from grouprl.trainer.metric_parts import merge
 from grouprl.trainer.pipeline import RolloutPipeline
-from grouprl.trainer.setup import Parts, build
+from grouprl.trainer.setup import build
 from grouprl.trainer.step import Collector, reduce_step_metrics
 from grouprl.trainer.step_batch import NOT_LEARNED, StepBatch
 
 log = logging.getLogger(__name__)
-
-PART_NAMES = frozenset(f.name for f in dataclasses.fields(Parts))
-
 
 def drop_lines_after(path: Path, step: int) -> None:
     """Keep only the jsonl records of steps <= `step` (atomic rewrite; a torn last line goes too)."""
@@ -67,7 +63,7 @@ def resume_when(e: RewardUnavailableError) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         PeakMeter.reset_host()  # the start-up phase's peak: a CPU's from here, CUDA's since the process began
-        # the run's parts, held here only (read as trainer.<part>: __getattr__)
+        # the run's parts, held here only (trainer.parts.<part>; cfg and ranks also as properties)
         self.parts = parts = build(cfg)  # a mistake in the data, rewards or settings fails here, one line
         cfg = parts.cfg  # what depends on the devices settled (memory.plan_run)
         # each phase's measured peak (perf/peak_gb/<phase>): start-up's logged with the first step
@@ -95,13 +91,16 @@ class Trainer:
         self._step_clock: float | None = None  # asynchronous: when the last step ended
         self._resume()
 
-    def __getattr__(self, name: str):
-        """The run's parts (setup.Parts: cfg, model, engine, ...) read as the trainer's own;
-        `self.parts` is the one place that holds them."""
-        parts = self.__dict__.get("parts")
-        if parts is not None and name in PART_NAMES:
-            return getattr(parts, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    @property
+    def cfg(self) -> Config:
+        """The run's settings, `auto` ones made concrete for the devices (setup.Parts.cfg); the
+        run's other parts are `self.parts`."""
+        return self.parts.cfg
+
+    @property
+    def ranks(self):
+        """This process's place among the run's ranks (setup.Parts.ranks)."""
+        return self.parts.ranks
 
     # ------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
