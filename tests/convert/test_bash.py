@@ -154,3 +154,25 @@ python3 -m verl.trainer.main_ppo a=real >> {target} 2>&1
     shell, argv = argv_of(text)
     assert argv[3:] == ["a=real"] and len(shell.calls) == 1
     assert not target.exists() and not (tmp_path / "new").exists()
+
+
+def test_break_and_continue_leave_the_loops_bash_leaves():
+    """Nested for, arithmetic for, while and until loops with break, continue and `continue 2`:
+    the values bash itself gives (1a1b3a4a4bw1w2n0n2n3u)."""
+    text = """OUT=""
+for i in 1 2 3 4; do
+  [[ $i == 2 ]] && continue
+  for j in a b c; do
+    [[ $j == b && $i == 3 ]] && continue 2
+    [[ $j == c ]] && break
+    OUT="$OUT$i$j"
+  done
+done
+k=0
+while true; do k=$((k+1)); [[ $k -ge 3 ]] && break; OUT="${OUT}w$k"; done
+for ((n=0; n<5; n++)); do [[ $n == 1 ]] && continue; [[ $n == 4 ]] && break; OUT="${OUT}n$n"; done
+until false; do OUT="${OUT}u"; break; done
+python3 -m verl.trainer.main_ppo out=$OUT
+"""
+    shell = run_script(text, {}, None, "/", [])
+    assert plain(shell.calls[0].argv[3]) == "out=1a1b3a4a4bw1w2n0n2n3u"

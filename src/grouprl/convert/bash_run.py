@@ -218,13 +218,9 @@ class Shell(Expansions):
         status = 0
         for value in values():
             self.variables[name] = value
-            try:
-                status = self.run(body)
-            except _Break as b:
-                if b.levels > 1:
-                    raise _Break(b.levels - 1, b.again) from None
-                if not b.again:
-                    break
+            status, stop = self._pass(body, status)
+            if stop:
+                break
         return status
 
     def run_arith_for(self, node: ArithFor) -> int:
@@ -232,27 +228,29 @@ class Shell(Expansions):
         self.arith(node.init)
         status = 0
         while not node.cond.strip() or self.arith(node.cond) != 0:
-            try:
-                status = self.run(node.body)
-            except _Break as b:
-                if b.levels > 1:
-                    raise _Break(b.levels - 1, b.again) from None
-                if not b.again:
-                    break
+            status, stop = self._pass(node.body, status)
+            if stop:
+                break
             self.arith(node.step)
         return status
 
     def run_while(self, node: While) -> int:
         status = 0
         while (self.condition(node.cond) == 0) != node.until:
-            try:
-                status = self.run(node.body)
-            except _Break as b:
-                if b.levels > 1:
-                    raise _Break(b.levels - 1, b.again) from None
-                if not b.again:
-                    break
+            status, stop = self._pass(node.body, status)
+            if stop:
+                break
         return status
+
+    def _pass(self, body, status: int) -> tuple[int, bool]:
+        """One pass of a loop's body: its status (the last one where `break` cut it short) and
+        whether the loop ends here; a `break N` / `continue N` for an outer loop goes up."""
+        try:
+            return self.run(body), False
+        except _Break as b:
+            if b.levels > 1:
+                raise _Break(b.levels - 1, b.again) from None
+            return status, not b.again
 
     def define(self, node: Function) -> int:
         self.functions[plain(self.string(node.name))] = node.body
