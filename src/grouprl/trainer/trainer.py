@@ -142,9 +142,7 @@ class Trainer:
         push: learner.Learner). Returns the step's metrics (one value each over the ranks), this
         rank's trajectories and their advantages."""
         self._open_step()  # the state an interrupt from here saves; generation ahead started
-        waited = time.perf_counter()
-        batch, peaks = self._collect()  # collect: this rank's groups, scored (a StepBatch)
-        waited = time.perf_counter() - waited
+        batch, peaks, waited = self._collect()  # collect: this rank's groups, scored (a StepBatch)
         learned = self._learn(batch)  # learn: the update and the push (what it measured)
         self.step += 1
         if self.pipeline is not None:  # generation ahead: the batches that sample from these weights may start
@@ -164,17 +162,19 @@ class Trainer:
             self._start_pipeline()
         self._pre_step_state = self._trainer_state()
 
-    def _collect(self) -> tuple[StepBatch, dict[str, float]]:
-        """The step's batch, collected now or taken from generation ahead, and the generation
-        phase's memory peak (synchronous runs: asynchronous ones generate beside the update, whose
-        peak is the one; start-up's comes with the first step)."""
+    def _collect(self) -> tuple[StepBatch, dict[str, float], float]:
+        """The step's batch, collected now or taken from generation ahead; the generation phase's
+        memory peak (synchronous runs: asynchronous ones generate beside the update, whose peak
+        is the one; start-up's comes with the first step); and the seconds it took to come."""
+        waited = time.perf_counter()
         meter = self.parts.meter if self.pipeline is None else None
         if meter is not None:
             meter.start()
         batch = self._batch()
+        waited = time.perf_counter() - waited
         peaks = {**(meter.measure("generation") if meter is not None else {}), **self._startup_peak}
         self._startup_peak = {}
-        return batch, peaks
+        return batch, peaks, waited
 
     def _learn(self, batch: StepBatch) -> Learned:
         """The update on the batch, and the push; none where every group was dropped (judge
