@@ -64,7 +64,8 @@ def resume_when(e: RewardUnavailableError) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         PeakMeter.reset_host()  # the start-up phase's peak: a CPU's from here, CUDA's since the process began
-        # the run's parts, held here only (trainer.parts.<part>; cfg and ranks also as properties)
+        # the run's parts, held here only (trainer.parts.<part>, a stage's as trainer.parts.collect.<part>, ...;
+        # cfg and ranks also as properties)
         self.parts = parts = build(cfg)  # a mistake in the data, rewards or settings fails here, one line
         cfg = parts.cfg  # what depends on the devices settled (memory.plan_run)
         # each phase's measured peak (perf/peak_gb/<phase>): start-up's logged with the first step
