@@ -66,23 +66,23 @@ def child(args) -> None:
         t0 = time.perf_counter()
         trainer = Trainer(load_config(DEFAULT_RECIPE, overrides))
         start_up = time.perf_counter() - t0
-        prompts = trainer.parts.train_prompts[: args.batch * args.gen_batches]
+        prompts = trainer.parts.collect.train_prompts[: args.batch * args.gen_batches]
         params = trainer.collector.sampling_params()
         if args.max_new_tokens:
             params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=params.temperature)
 
         def generate(batch, seed):
             start = time.perf_counter()
-            out = trainer.parts.engine.generate(batch, args.n, params, torch.Generator().manual_seed(seed))
+            out = trainer.parts.collect.engine.generate(batch, args.n, params, torch.Generator().manual_seed(seed))
             return time.perf_counter() - start, sum(len(g.token_ids) for g in out)
 
         generate(prompts[:2], 0)  # warm-up: first calls, kernels, first batch shapes
         seconds, generated = generate(prompts, 100 + args.round)
         fed = generated + sum(len(p) for p in prompts) * args.n
         steps = [trainer.train_step()[0] for _ in range(args.steps)]
-        if trainer.parts.streaming is not None:
-            trainer.parts.streaming.close()
-        trainer.parts.reward.close()
+        if trainer.parts.collect.streaming is not None:
+            trainer.parts.collect.streaming.close()
+        trainer.parts.collect.reward.close()
     kept = steps[1:] or steps
     keys = ["time/step", "time/generate", "time/update", "time/weight_sync", "perf/tokens_per_s",
             "rollout/mismatch_mean", "rollout/mismatch_max"]

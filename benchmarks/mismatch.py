@@ -81,7 +81,7 @@ def recording_cost(rounds: int) -> None:
         times: dict[bool, list[float]] = {True: [], False: []}
         for r in range(rounds):
             for record in (r % 2 == 0, r % 2 == 1):
-                trainer.parts.engine.report_log_probs = record
+                trainer.parts.collect.engine.report_log_probs = record
                 t0 = time.perf_counter()
                 trainer.collector.rollout(samples, prompts, cfg.rollout.n_agent, stream=(0, 0))  # the same streams each round
                 times[record].append(time.perf_counter() - t0)

@@ -168,12 +168,12 @@ class GroupRLSide:
 
 def draw_order(trainer: Trainer, steps: int) -> list:
     """The samples grouprl's sampler will draw in `steps` steps (a copy of it, so nothing advances)."""
-    sampler, out = copy.deepcopy(trainer.parts.sampler), []
+    sampler, out = copy.deepcopy(trainer.parts.collect.sampler), []
     for _ in range(steps):
         batch = []
         while len(batch) < trainer.cfg.data.train_batch_size:  # as Collector.next_prompts: skip over-long
-            batch += [i for i in sampler.next_batch() if trainer.parts.train_prompts[i] is not None]
-        out += [trainer.parts.train_samples[i] for i in batch[: trainer.cfg.data.train_batch_size]]
+            batch += [i for i in sampler.next_batch() if trainer.parts.collect.train_prompts[i] is not None]
+        out += [trainer.parts.collect.train_samples[i] for i in batch[: trainer.cfg.data.train_batch_size]]
     return out
 
 
@@ -421,8 +421,8 @@ def main() -> None:
     g = GroupRLSide(cfg)
     t = TRLSide(cfg, resolve_model_path(cfg.model), draw_order(g.trainer, total), work)
     rss_built = monitor.rss()
-    sample = g.trainer.parts.train_samples[0]  # does TRL tokenise the chat-templated prompt as grouprl does?
-    same_tokens = list(t.trainer._tokenize_prompts([sample.messages])[0][0]) == g.trainer.parts.train_prompts[0]
+    sample = g.trainer.parts.collect.train_samples[0]  # does TRL tokenise the chat-templated prompt as grouprl does?
+    same_tokens = list(t.trainer._tokenize_prompts([sample.messages])[0][0]) == g.trainer.parts.collect.train_prompts[0]
     try:
         records, ru_after = run_rounds(args, {"grouprl": g, "trl": t}, monitor)
     finally:

@@ -228,7 +228,7 @@ def cmd_eval(args) -> int:
     finally:
         if console:
             console.close()
-        trainer.parts.reward.close()
+        trainer.parts.evaluate.reward.close()
     if trainer.ranks.main:
         for k, v in result.items():
             print(f"{k}: {v:.4f}")

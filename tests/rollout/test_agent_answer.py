@@ -197,9 +197,14 @@ def test_build_answer_generator(tmp_path):
     assert build_answer_generator(AgentConfig(answer_generator="none"), engine) is None
     policy = build_answer_generator(AgentConfig(answer_generator="policy"), engine)
     assert isinstance(policy, LocalAnswerGenerator) and policy.engine is engine
-    local = build_answer_generator(AgentConfig(answer_generator=f"hf:{tmp_path / 'frozen'}"), engine)
+    frozen = AgentConfig(answer_generator=f"hf:{tmp_path / 'frozen'}")
+    local = build_answer_generator(frozen, engine)
     assert isinstance(local, LocalAnswerGenerator) and local.engine.model is not model
     assert not any(p.requires_grad for p in local.engine.model.parameters())
+    # its precision is what the builder is told (the trainer: its policy's), float32 unless told
+    assert {p.dtype for p in local.engine.model.parameters()} == {torch.float32}
+    in_bf16 = AgentLoop(engine, tokenizer, {}, frozen, answer_dtype=torch.bfloat16).answer_generator
+    assert {p.dtype for p in in_bf16.engine.model.parameters()} == {torch.bfloat16}
     # a loop given no generator builds the one its config names
     assert isinstance(AgentLoop(engine, tokenizer, {}, AgentConfig()).answer_generator, LocalAnswerGenerator)
     assert AgentLoop(engine, tokenizer, {}, AgentConfig(answer_generator="none")).answer_generator is None

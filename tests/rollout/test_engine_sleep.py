@@ -206,7 +206,7 @@ def recorded_trainer(root, model_dir, monkeypatch, level, *overrides, reward="1.
     config = write_run_config(root, model_dir, reward=reward)
     settings = ["rollout.engine=vllm", f"rollout.sleep_level={level}", "trainer.save_final=false", *overrides]
     trainer = Trainer(load_config(config, settings))
-    engine, llm = trainer.parts.engine, trainer.parts.engine.llm
+    engine, llm = trainer.parts.collect.engine, trainer.parts.collect.engine.llm
     real_phase, real_update = step_module.rollout_phase, engine.weights_updated
 
     @contextlib.contextmanager
@@ -221,7 +221,7 @@ def recorded_trainer(root, model_dir, monkeypatch, level, *overrides, reward="1.
         real_update(model)
 
     def current(weights):
-        want = dict(merged_state(trainer.parts.model, engine.dtype))
+        want = dict(merged_state(trainer.parts.learn.model, engine.dtype))
         assert weights.keys() == want.keys()
         assert all(torch.equal(weights[k], want[k]) for k in want), "vLLM samples from stale weights"
 
@@ -311,8 +311,8 @@ def test_steps_and_chunked_evaluation_sleep_between_rollouts_only(
         *wake(level, push=True), ("phase", 2), *sleep,  # final evaluation
     ]
     assert outside(llm.events) == want
-    assert trainer.parts.engine.last_sleep_freed_bytes == 0  # off CUDA nothing is measured
-    assert trainer.parts.engine.push_seconds > 0
+    assert trainer.parts.collect.engine.last_sleep_freed_bytes == 0  # off CUDA nothing is measured
+    assert trainer.parts.collect.engine.push_seconds > 0
     # each step logs its pushes, wherever they ran (the update's at level 0, the next wake's asleep)
     records = [json.loads(x) for x in (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
     pushes = {r["step"]: r["time/weight_push"] for r in records if "time/weight_push" in r}

@@ -105,25 +105,25 @@ def test_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir, uninterr
     records_a, records_b = rollout_records(run_a), rollout_records(run_b)
     assert [r[0] for r in records_b] == [1] * 8 + [2] * 8 + [3] * 8 + [4] * 8
     assert records_b == records_a  # same prompts, same responses, same advantages, every step
-    final_a, final_b = weights(trainer_a.parts.model), weights(second.parts.model)
+    final_a, final_b = weights(trainer_a.parts.learn.model), weights(second.parts.learn.model)
     assert final_a.keys() == final_b.keys()
     for name in final_a:
         assert torch.allclose(final_a[name], final_b[name], atol=1e-6, rtol=0), name
-    ref_a, ref_b = dict(trainer_a.parts.reference.model.named_parameters()), dict(second.parts.reference.model.named_parameters())
+    ref_a, ref_b = dict(trainer_a.parts.learn.reference.model.named_parameters()), dict(second.parts.learn.reference.model.named_parameters())
     assert all(torch.allclose(ref_a[n], ref_b[n], atol=1e-6, rtol=0) for n in ref_a)
-    assert second.parts.optimizer.param_groups[0]["lr"] == pytest.approx(trainer_a.parts.optimizer.param_groups[0]["lr"])
+    assert second.parts.learn.optimizer.param_groups[0]["lr"] == pytest.approx(trainer_a.parts.learn.optimizer.param_groups[0]["lr"])
 
 
 def test_ctrl_c_during_an_update_saves_nothing(tmp_path, model_dir, monkeypatch, capsys):
     trainer = Trainer(config(tmp_path, model_dir, "trainer.total_steps=3", "trainer.val_before_train=false"))
-    real_update = trainer.parts.updater.update
+    real_update = trainer.parts.learn.updater.update
 
     def update_then_ctrl_c(*args, **kwargs):
         if trainer.step == 1:
             raise KeyboardInterrupt
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(trainer.parts.updater, "update", update_then_ctrl_c)
+    monkeypatch.setattr(trainer.parts.learn.updater, "update", update_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
     assert "interrupted during an update: resume from the last saved checkpoint" in capsys.readouterr().out
@@ -146,9 +146,9 @@ def test_ctrl_c_before_the_first_step_saves_nothing(tmp_path, model_dir, monkeyp
 def test_the_resumed_step_changes_the_weights(uninterrupted, tmp_path, model_dir):
     """Guard against a vacuous match: the checkpointed weights differ from the start and the end."""
     trainer_a, run_a = uninterrupted
-    start = weights(Trainer(config(tmp_path, model_dir, "trainer.resume_mode=disable")).parts.model)
+    start = weights(Trainer(config(tmp_path, model_dir, "trainer.resume_mode=disable")).parts.learn.model)
     step_2 = load_file(str(run_a / "checkpoints" / "step_2" / "model.safetensors"))
-    end = weights(trainer_a.parts.model)
+    end = weights(trainer_a.parts.learn.model)
     assert step_2.keys() == end.keys()
     assert any(not torch.equal(step_2[n], start[n]) for n in end)
     assert any(not torch.equal(step_2[n], end[n]) for n in end)
@@ -263,7 +263,7 @@ def test_resume_modes(uninterrupted, tmp_path, model_dir):
     fresh = Trainer(config(tmp_path, model_dir, *same_run, "trainer.resume_mode=disable"))
     assert fresh.step == 0
     ckpt_4 = load_file(str(run_a / "checkpoints" / "step_4" / "model.safetensors"))
-    assert any(not torch.equal(p.detach(), ckpt_4[n]) for n, p in fresh.parts.model.named_parameters())
+    assert any(not torch.equal(p.detach(), ckpt_4[n]) for n, p in fresh.parts.learn.model.named_parameters())
 
     step_2 = run_a / "checkpoints" / "step_2"
     chosen = Trainer(
@@ -273,8 +273,8 @@ def test_resume_modes(uninterrupted, tmp_path, model_dir):
     )
     assert chosen.step == 2
     ckpt_2 = load_file(str(step_2 / "model.safetensors"))
-    assert all(torch.equal(p.detach(), ckpt_2[n]) for n, p in chosen.parts.model.named_parameters())
-    assert chosen.parts.sampler.state_dict()["position"] == (2 * 2) % 8
+    assert all(torch.equal(p.detach(), ckpt_2[n]) for n, p in chosen.parts.learn.model.named_parameters())
+    assert chosen.parts.collect.sampler.state_dict()["position"] == (2 * 2) % 8
 
     with pytest.raises(UserError, match="not a valid checkpoint: .* \\(no manifest.json"):
         Trainer(
@@ -341,7 +341,7 @@ def test_the_trainer_resumes_from_the_newest_intact_checkpoint(uninterrupted, tm
     assert resumed.step == 2
     assert "skipped invalid checkpoints (step_4: optim.pt has 100 bytes" in caplog.text
     resumed.fit()
-    final_a, final_b = weights(trainer_a.parts.model), weights(resumed.parts.model)
+    final_a, final_b = weights(trainer_a.parts.learn.model), weights(resumed.parts.learn.model)
     for name in final_a:
         assert torch.allclose(final_a[name], final_b[name], atol=1e-6, rtol=0), name
 

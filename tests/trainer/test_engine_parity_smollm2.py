@@ -46,7 +46,7 @@ def step_rollout(trainer: Trainer, batch, parts: list[range], gen_batch_size: in
     (a rank's block of groups each), the engine cutting each part into chunks of
     `gen_batch_size` sequences."""
     samples, prompts = batch
-    trainer.parts.engine.max_batch = gen_batch_size
+    trainer.parts.collect.engine.max_batch = gen_batch_size
     out = []
     for part in parts:
         out += trainer.collector.rollout(  # the first step's first rollout, on every rank
@@ -57,8 +57,8 @@ def step_rollout(trainer: Trainer, batch, parts: list[range], gen_batch_size: in
 
 def gap(trainer: Trainer, trajectories) -> torch.Tensor:
     """|trainer - engine| log-prob of every sampled token."""
-    tensors = build_step_tensors(trajectories, trainer.parts.device, mask_truncated=False, pad_token_id=trainer.parts.engine.pad_token_id)
-    old = trainer.parts.updater.score_all(trainer.parts.policy, tensors)
+    tensors = build_step_tensors(trajectories, trainer.parts.learn.device, mask_truncated=False, pad_token_id=trainer.parts.collect.engine.pad_token_id)
+    old = trainer.parts.learn.updater.score_all(trainer.parts.learn.policy, tensors)
     return (old.float() - tensors.rollout_log_probs)[tensors.loss_mask.bool()].abs()
 
 
@@ -68,8 +68,8 @@ def responses(trajectories) -> list[tuple]:
 
 def test_float32_engine_samples_the_trainers_distribution_however_the_batch_is_cut(tmp_path):
     trainer = trainer_for(tmp_path / "fp32", "float32")
-    assert trainer.parts.rollout_is == "off" and not trainer.parts.engine.report_log_probs  # exact: nothing to correct
-    trainer.parts.engine.report_log_probs = True  # measured here all the same
+    assert trainer.parts.learn.updater.rollout_is == "off" and not trainer.parts.collect.engine.report_log_probs  # exact: nothing to correct
+    trainer.parts.collect.engine.report_log_probs = True  # measured here all the same
     batch = trainer.collector.next_prompts()
     whole = step_rollout(trainer, batch, [range(2)])
     assert len(whole) == 8 and sum(len(t.response_ids) for t in whole) > 75
@@ -82,7 +82,8 @@ def test_float32_engine_samples_the_trainers_distribution_however_the_batch_is_c
 
 def test_bf16_engine_and_trainer_disagree_so_the_correction_is_on_by_default(tmp_path):
     trainer = trainer_for(tmp_path / "bf16", "bfloat16")
-    assert trainer.parts.engine_differs and trainer.parts.rollout_is == "token" and trainer.parts.engine.report_log_probs
+    # auto resolved: the engine's bf16 numbers can differ, so it records its log-probs
+    assert trainer.parts.learn.updater.rollout_is == "token" and trainer.parts.collect.engine.report_log_probs
     trajectories = step_rollout(trainer, trainer.collector.next_prompts(), [range(2)])
     assert all(t.rollout_log_probs is not None for t in trajectories)
     found = gap(trainer, trajectories)

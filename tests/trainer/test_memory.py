@@ -370,7 +370,7 @@ def test_a_run_writes_its_plan_and_logs_each_phases_peak(tmp_path, model_dir, ca
     as the run does), its rows from the rank's share of the batch."""
     config = write_run_config(tmp_path, model_dir)
     trainer = Trainer(load_config(config, ["trainer.total_steps=2", "trainer.val_before_train=false"]))
-    longest = max(len(p) for p in trainer.parts.train_prompts + trainer.parts.val_prompts if p)
+    longest = max(len(p) for p in trainer.parts.collect.train_prompts + trainer.parts.evaluate.prompts if p)
     assert longest < 64  # the limit
     trainer.fit()
     run = tmp_path / "runs" / "run"

@@ -116,17 +116,17 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     from grouprl.trainer.update import PolicyUpdater
 
     plain = run(tmp_path / "plain", model_dir, "actor.reference_offload=false")
-    assert not plain.parts.reference.parked.enabled  # auto on a CPU is off too
+    assert not plain.parts.learn.reference.parked.enabled  # auto on a CPU is off too
     plain.fit()
 
     monkeypatch.setattr(offload, "parks", lambda device: True)
     seen: list[tuple[str, str, str]] = []
     trainer = run(tmp_path / "parked", model_dir, "actor.reference_offload=true", "actor.optimizer_offload=true")
-    parts = trainer.parts
-    ref_tensors = [*trainer.parts.reference.model.parameters(), *trainer.parts.reference.model.buffers()]
+    parts = trainer.parts.learn
+    ref_tensors = [*trainer.parts.learn.reference.model.parameters(), *trainer.parts.learn.reference.model.buffers()]
     assert parts.reference.parked.where == "host" and all(held(t) == 0 for t in ref_tensors)  # out from the start
 
-    generate, score_all, step = HFEngine.generate, PolicyUpdater.score_all, trainer.parts.optimizer.step
+    generate, score_all, step = HFEngine.generate, PolicyUpdater.score_all, trainer.parts.learn.optimizer.step
 
     def watch(what):
         seen.append((what, parts.reference.parked.where, parts.optimizer_parked.where))
@@ -146,7 +146,7 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
 
     monkeypatch.setattr(HFEngine, "generate", watched_generate)
     monkeypatch.setattr(PolicyUpdater, "score_all", watched_score_all)
-    monkeypatch.setattr(trainer.parts.optimizer, "step", watched_step)
+    monkeypatch.setattr(trainer.parts.learn.optimizer, "step", watched_step)
     host_buffers = dict(parts.reference.parked._host)
     trainer.fit()
 
@@ -162,7 +162,7 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
     assert parts.reference.parked.where == "host" and parts.optimizer_parked.where == "host"
     # the reference's host buffers made once, at the start, and reused every step
     assert host_buffers and all(parts.reference.parked._host[k] is b for k, b in host_buffers.items())
-    state_tensors = [v for s in trainer.parts.optimizer.state.values() for v in s.values() if v.dim()]
+    state_tensors = [v for s in trainer.parts.learn.optimizer.state.values() for v in s.values() if v.dim()]
     assert state_tensors and all(held(v) == 0 for v in state_tensors)  # AdamW's state parked after the run
 
     # the same numbers (one process, the same threads: bitwise)
@@ -171,18 +171,18 @@ def test_a_run_generates_without_them_and_learns_as_without_offload(tmp_path, mo
         for line in (t.parts.run_dir / "metrics.jsonl").read_text().splitlines()
     ]
     assert metrics(plain) == metrics(trainer) and len(metrics(plain)) >= 2
-    for (n, p), (_, q) in zip(plain.parts.model.named_parameters(), trainer.parts.model.named_parameters()):
+    for (n, p), (_, q) in zip(plain.parts.learn.model.named_parameters(), trainer.parts.learn.model.named_parameters()):
         assert torch.equal(p, q), n
     with parts.reference.parked.present():
-        for (n, p), (_, q) in zip(plain.parts.reference.model.named_parameters(), trainer.parts.reference.model.named_parameters()):
+        for (n, p), (_, q) in zip(plain.parts.learn.reference.model.named_parameters(), trainer.parts.learn.reference.model.named_parameters()):
             assert torch.equal(p, q), n
-    state = lambda t: [v for s in t.parts.optimizer.state.values() for v in s.values()]  # noqa: E731
+    state = lambda t: [v for s in t.parts.learn.optimizer.state.values() for v in s.values()]  # noqa: E731
     with parts.optimizer_parked.present():
         assert all(torch.equal(a, b) for a, b in zip(state(plain), state(trainer), strict=True))
 
     # the checkpoint the run saved resumes with them out of the device again
     resumed = run(tmp_path / "parked", model_dir, "actor.reference_offload=true", "actor.optimizer_offload=true", "trainer.total_steps=3")
     assert resumed.step == 2
-    assert resumed.parts.reference.parked.where == "host" and resumed.parts.optimizer_parked.where == "host"
-    with resumed.parts.optimizer_parked.present():
+    assert resumed.parts.learn.reference.parked.where == "host" and resumed.parts.learn.optimizer_parked.where == "host"
+    with resumed.parts.learn.optimizer_parked.present():
         assert all(torch.equal(a, b) for a, b in zip(state(plain), state(resumed), strict=True))

@@ -31,13 +31,13 @@ def test_default_recipe_trains_one_step_on_smollm2(tmp_path):
         ],
     )
     trainer = Trainer(cfg)
-    before = {n: p.detach().clone() for n, p in trainer.parts.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.parts.learn.model.named_parameters()}
     summary = trainer.fit()
     assert summary["steps"] == 1 and summary["line"].startswith("eval accuracy: baseline ")
     records = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if "actor/pg_loss" in r)
     assert step["step"] == 1 and step["time/generate"] > 0 and step["time/update"] > 0
-    changed = any(not torch.equal(before[n], p) for n, p in trainer.parts.model.named_parameters())
+    changed = any(not torch.equal(before[n], p) for n, p in trainer.parts.learn.model.named_parameters())
     # an all-equal reward batch has zero advantages and leaves the weights unchanged: then the
     # gradient norm must be 0 too, otherwise it must have moved the weights
     assert changed == (step["actor/grad_norm"] > 0)

@@ -95,16 +95,17 @@ def config(tmp_path_factory):
 def parts_for(config, *overrides):
     """A run's real parts (setup.build) with the fake engine in place of the built-in one."""
     parts = build(load_config(config, ["data.val_files=[]", *overrides]))
-    engine = FakeEngine(parts.model, parts.tokenizer)
+    engine = FakeEngine(parts.learn.model, parts.tokenizer)
     assert isinstance(engine, RolloutEngine)  # it keeps to the interface the loop asks of engines
-    return dataclasses.replace(parts, engine=engine, single_turn=SingleTurn(engine))
+    collect = dataclasses.replace(parts.collect, engine=engine, runner=SingleTurn(engine))
+    return dataclasses.replace(parts, collect=collect, learn=dataclasses.replace(parts.learn, engine=engine))
 
 
 def test_collect_returns_the_steps_groups_scored_in_one_finished_batch(config):
     parts = parts_for(config)
-    collector = Collector(parts.cfg, parts)
+    collector = Collector(parts.cfg, parts.collect)
     batch = collector.collect(step=2)
-    engine = parts.engine
+    engine = parts.collect.engine
     assert engine.phases == ["begin", "end"]  # one rollout, the engine awake around it
     assert [len(call["prompts"]) for call in engine.calls] == [2]  # data.train_batch_size prompts, n = 4
     assert (batch.step, batch.version, batch.dropped_groups, batch.pushed_before, batch.loaded) == (2, 2, 0, 0.0, None)
@@ -127,15 +128,15 @@ def test_a_steps_rollouts_sample_from_streams_keyed_by_step_and_rollout(config):
     """Every row's stream is keyed by (seed, step, the step's rollout) and its place in the
     batch; `rollout(stream=...)` names them, as collect does for its first rollout."""
     parts = parts_for(config, "trainer.seed=7")
-    collector = Collector(parts.cfg, parts)
+    collector = Collector(parts.cfg, parts.collect)
     batch = collector.collect(step=5)
     want = RowStreams(mix_seed(7, 5, 0), range(8)).uniform().tolist()
-    assert parts.engine.calls[0]["draws"] == want
+    assert parts.collect.engine.calls[0]["draws"] == want
     samples, prompts = [g.sample for g in batch.groups], [g.prompt for g in batch.groups]
     collector.rollout(samples, prompts, 4, stream=(5, 0))  # the same streams again
     collector.rollout(samples, prompts, 4, stream=(5, 1))  # the step's second rollout (a refill)
-    assert parts.engine.calls[1]["draws"] == want
-    assert parts.engine.calls[2]["draws"] == RowStreams(mix_seed(7, 5, 1), range(8)).uniform().tolist() != want
+    assert parts.collect.engine.calls[1]["draws"] == want
+    assert parts.collect.engine.calls[2]["draws"] == RowStreams(mix_seed(7, 5, 1), range(8)).uniform().tolist() != want
 
 
 def test_generation_runs_under_autocast_only_where_the_engine_computes_with_the_trainers_model(config):
@@ -143,13 +144,13 @@ def test_generation_runs_under_autocast_only_where_the_engine_computes_with_the_
     the rollout's autocast; an engine with a copy of its own (vLLM, an engine process) computes
     in the dtype it was made with, so nothing here wraps it."""
     parts = parts_for(config, "actor.dtype=bfloat16")
-    assert parts.rollout_dtype == torch.bfloat16
-    collector = Collector(parts.cfg, parts)
+    assert parts.collect.rollout_dtype == torch.bfloat16
+    collector = Collector(parts.cfg, parts.collect)
     samples, prompts = collector.next_prompts()
     collector.rollout(samples, prompts, 4)
-    parts.engine.reads_trainer_weights = True  # as the built-in engine
+    parts.collect.engine.reads_trainer_weights = True  # as the built-in engine
     collector.rollout(samples, prompts, 4)
-    assert [call["autocast"] for call in parts.engine.calls] == [None, torch.bfloat16]
+    assert [call["autocast"] for call in parts.collect.engine.calls] == [None, torch.bfloat16]
     assert not torch.is_autocast_enabled("cpu")
 
 
@@ -157,9 +158,9 @@ def test_dynamic_filtering_refills_from_the_steps_next_streams(config):
     """A group whose rewards are all equal leaves; the refill is the step's second rollout, its
     rows keyed by their places in the refill's own draw, and the batch keeps B groups."""
     parts = parts_for(config, "data.sampler=curriculum", "curriculum.dynamic_filter=true")
-    parts.engine.flat = {(0, 0)}  # the first prompt's group teaches nothing
-    batch = Collector(parts.cfg, parts).collect(step=4)
-    first, refill = parts.engine.calls
+    parts.collect.engine.flat = {(0, 0)}  # the first prompt's group teaches nothing
+    batch = Collector(parts.cfg, parts.collect).collect(step=4)
+    first, refill = parts.collect.engine.calls
     assert len(first["prompts"]) == 2 and len(refill["prompts"]) >= 1
     k = len(refill["prompts"])
     assert refill["draws"] == RowStreams(mix_seed(0, 4, 1), range(4 * k)).uniform().tolist()
@@ -174,7 +175,7 @@ def test_an_asynchronous_batch_carries_its_staleness_and_its_weights_push(config
     wait and push the pipeline measured; its push is that one, not the counter of the trainer's
     engine (which here counts pushes too)."""
     parts = parts_for(config)
-    collector = Collector(parts.cfg, parts, judge_tallies_per_batch=False)
+    collector = Collector(parts.cfg, parts.collect, judge_tallies_per_batch=False)
     batch = collector.finish(collector.start(3, version=1, loaded=Loaded(waited=0.5, push=0.125)))
     assert batch.pushed_before is None and all(t.version == 1 for t in batch.trajectories)
     assert {k: batch.metrics[k] for k in ("rollout/staleness_mean", "rollout/staleness_max", "rollout/policy_version")} == {
@@ -183,9 +184,9 @@ def test_an_asynchronous_batch_carries_its_staleness_and_its_weights_push(config
         "rollout/policy_version": 1.0,
     }
     assert batch.metrics["time/wait_weights"] == 0.5 and "time/weight_push" not in batch.metrics
-    learned = Learner(parts.cfg, parts).learn(batch).metrics
+    learned = Learner(parts.cfg, parts.learn).learn(batch).metrics
     assert learned["time/weight_push"] == 0.125 and "perf/engine_freed_gb" not in learned
-    assert parts.engine.push_seconds == PUSH_S  # the engine was pushed to all the same
+    assert parts.collect.engine.push_seconds == PUSH_S  # the engine was pushed to all the same
 
 
 def test_learn_updates_as_the_updater_does_on_tensors_built_by_hand(config):
@@ -193,9 +194,9 @@ def test_learn_updates_as_the_updater_does_on_tensors_built_by_hand(config):
     tensors: the weights come out as those of the same update run by hand on a second copy of
     the run. It returns what it measured and leaves the batch as it was."""
     parts, reference = parts_for(config), parts_for(config)
-    batch = Collector(parts.cfg, parts).collect(step=0)
+    batch = Collector(parts.cfg, parts.collect).collect(step=0)
     collected = dict(batch.metrics)
-    result = Learner(parts.cfg, parts).learn(batch)
+    result = Learner(parts.cfg, parts.learn).learn(batch)
     learned = result.metrics
     assert batch.metrics == collected and "reward/mean" not in learned  # its own figures only
 
@@ -212,13 +213,13 @@ def test_learn_updates_as_the_updater_does_on_tensors_built_by_hand(config):
     assert learned["time/weight_push"] == PUSH_S and learned["perf/engine_freed_gb"] == 0.0
 
     tensors = build_step_tensors(
-        batch.trajectories, reference.device, mask_truncated=False, pad_token_id=reference.engine.pad_token_id
+        batch.trajectories, reference.learn.device, mask_truncated=False, pad_token_id=reference.learn.engine.pad_token_id
     )
     tensors = dataclasses.replace(tensors, advantages=torch.tensor(advantages, dtype=torch.float32))
-    p = reference
+    p = reference.learn
     before = {n: w.detach().clone() for n, w in p.model.named_parameters()}
     p.updater.update(p.policy, p.optimizer, p.scheduler, tensors, 2, p.params)
-    ours, theirs = dict(parts.model.named_parameters()), dict(p.model.named_parameters())
+    ours, theirs = dict(parts.learn.model.named_parameters()), dict(p.model.named_parameters())
     assert sum(not torch.equal(ours[n], before[n]) for n in ours) >= len(ours) - 1  # the update moved them
     for name, weight in ours.items():
         torch.testing.assert_close(weight, theirs[name], rtol=0, atol=1e-7)
@@ -229,10 +230,10 @@ def test_share_out_gives_each_rank_its_part_and_pads_the_short_one(config):
     place 2 and a pad, a copy of the group with the fewest tokens whose loss mask is all zero;
     learn leaves the pad out of what it reports."""
     parts = parts_for(config)
-    kept = [Group(10 + k, parts.train_samples[k], [5, 6, k], rows([5, 6, k], k)) for k in (2, 0, 1)]  # the 2nd: fewest tokens
+    kept = [Group(10 + k, parts.collect.train_samples[k], [5, 6, k], rows([5, 6, k], k)) for k in (2, 0, 1)]  # the 2nd: fewest tokens
     shares = []
     for rank in (0, 1):
-        ranked = dataclasses.replace(parts, ranks=Ranks(rank=rank, world=2))
+        ranked = dataclasses.replace(parts.collect, ranks=Ranks(rank=rank, world=2))
         shares.append(Collector(parts.cfg, ranked).share_out(kept))
     assert [g.place for g in shares[0]] == [0, 1] and shares[0][0].sample is kept[0].sample
     assert [g.place for g in shares[1]] == [2, None]
@@ -260,7 +261,7 @@ def test_records_stop_changing_when_their_stage_ends(config):
     from grouprl.rollout.trajectory import SealedError
 
     parts = parts_for(config)
-    batch = Collector(parts.cfg, parts).collect(step=0)
+    batch = Collector(parts.cfg, parts.collect).collect(step=0)
     t = batch.trajectories[0]
     assert t.sealed and t.rewards and t.response_ids
     for write in (
@@ -274,7 +275,7 @@ def test_records_stop_changing_when_their_stage_ends(config):
         with pytest.raises(SealedError):
             write()
     snapshot = [(u.reward, dict(u.rewards), list(u.response_ids), u.version) for u in batch.trajectories]
-    learner = Learner(parts.cfg, parts)
+    learner = Learner(parts.cfg, parts.learn)
     tensors, _, _ = learner.step_tensors(batch)
     with pytest.raises(dataclasses.FrozenInstanceError):
         tensors.advantages = None
@@ -303,8 +304,8 @@ def test_each_metric_of_a_step_has_one_writer(config, monkeypatch):
     monkeypatch.setattr(step_module, "merge", recording)
     monkeypatch.setattr(learner_module, "merge", recording)
     parts = parts_for(config)
-    batch = Collector(parts.cfg, parts).collect(step=0)
-    learned = Learner(parts.cfg, parts).learn(batch).metrics
+    batch = Collector(parts.cfg, parts.collect).collect(step=0)
+    learned = Learner(parts.cfg, parts.learn).learn(batch).metrics
     writers: dict[str, int] = {}
     for keys in parts_seen:
         for key in keys:
@@ -315,6 +316,6 @@ def test_each_metric_of_a_step_has_one_writer(config, monkeypatch):
     assert set().union(*leaves) >= set(batch.metrics) | set(learned)
     for key in set(batch.metrics) | set(learned):
         assert sum(key in leaf for leaf in leaves) == 1, key
-    scored = parts.reward.score([dataclasses.replace(t, rewards={}, extra={}) for t in batch.trajectories[:4]])
+    scored = parts.collect.reward.score([dataclasses.replace(t, rewards={}, extra={}) for t in batch.trajectories[:4]])
     assert not any(k in scored for k in ("reward/mean", "reward/std")) and "reward/errors" in scored
     assert batch.metrics["reward/mean"] == pytest.approx(sum(REWARDS) / 4, abs=1e-12)

@@ -1,6 +1,7 @@
 """The training loop end to end on a tiny random model: the files it writes, the numbers in
 them, a reward that must really improve, LoRA, and the KL reference."""
 
+import dataclasses
 import json
 import math
 import re
@@ -154,7 +155,7 @@ def test_final_model_loads_and_summary_line(short_run, capsys):
     assert json.loads((run_dir / "summary.json").read_text())["line"] == summary["line"]
     final = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     AutoTokenizer.from_pretrained(run_dir / "final")
-    ours = trainer.parts.model.state_dict()
+    ours = trainer.parts.learn.model.state_dict()
     for name, value in final.state_dict().items():
         assert torch.equal(value, ours[name]), name
     assert json.loads((run_dir / "final" / "grouprl_meta.json").read_text())["step"] == 3
@@ -163,9 +164,9 @@ def test_final_model_loads_and_summary_line(short_run, capsys):
 
 def test_weights_change_and_stay_finite(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir)
-    before = trainable(trainer.parts.model)
+    before = trainable(trainer.parts.learn.model)
     metrics, trajectories, _ = trainer.train_step()
-    after = trainable(trainer.parts.model)
+    after = trainable(trainer.parts.learn.model)
     assert len(trajectories) == 8
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert all(torch.isfinite(p).all() for p in after.values())
@@ -205,11 +206,11 @@ def test_schedule_counts_every_optimizer_step(tmp_path, model_dir):
         "actor.optim.min_lr_ratio=0.1",
     )
     metrics, _, _ = trainer.train_step()
-    assert trainer.parts.scheduler.last_epoch == 4
-    assert trainer.parts.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # halfway
+    assert trainer.parts.learn.scheduler.last_epoch == 4
+    assert trainer.parts.learn.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5))  # halfway
     trainer.train_step()
-    assert trainer.parts.scheduler.last_epoch == 8
-    assert trainer.parts.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.1)
+    assert trainer.parts.learn.scheduler.last_epoch == 8
+    assert trainer.parts.learn.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.1)
 
 
 def test_logged_lr_is_the_lr_the_update_used(tmp_path, model_dir):
@@ -260,20 +261,20 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path, model_dir):
         "trainer.total_steps=2",
         "trainer.val_before_train=false",
     )
-    assert trainer.parts.reference.kind == "adapters" and trainer.parts.reference.model is None  # no second copy of the model
-    names = [n for n, p in trainer.parts.model.named_parameters() if p.requires_grad]
+    assert trainer.parts.learn.reference.kind == "adapters" and trainer.parts.learn.reference.model is None  # no second copy of the model
+    names = [n for n, p in trainer.parts.learn.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
-    assert len(trainer.parts.params) == len(names)
-    base_before = frozen(trainer.parts.model)
+    assert len(trainer.parts.learn.params) == len(names)
+    base_before = frozen(trainer.parts.learn.model)
 
     m1, _, _ = trainer.train_step()
     assert m1["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # LoRA B starts at 0: policy == reference
     m2, _, _ = trainer.train_step()
     assert m2["actor/kl_loss"] > 1e-6  # the adapters moved the policy away from the base
-    base_after = frozen(trainer.parts.model)
+    base_after = frozen(trainer.parts.learn.model)
     assert all(torch.equal(base_before[n], base_after[n]) for n in base_before)
     assert any(
-        float(p.detach().abs().max()) > 0 for n, p in trainer.parts.model.named_parameters() if "lora_B" in n
+        float(p.detach().abs().max()) > 0 for n, p in trainer.parts.learn.model.named_parameters() if "lora_B" in n
     )
 
     trainer.fit()  # already at total_steps: evaluates, checkpoints, exports
@@ -289,7 +290,7 @@ def test_lora_trains_adapters_only_and_exports_merged(tmp_path, model_dir):
     assert not all(torch.equal(v, base.state_dict()[k]) for k, v in merged.state_dict().items())
     ids = torch.tensor([[5, 9, 14, 20, 33, 41]])
     with torch.no_grad():
-        want = trainer.parts.model(input_ids=ids).logits
+        want = trainer.parts.learn.model(input_ids=ids).logits
         assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-4)  # merged == base + adapters
         assert not torch.allclose(base(input_ids=ids).logits, want, atol=1e-4)
 
@@ -302,10 +303,10 @@ def test_lora_with_ref_refresh_is_rejected_before_loading():
 # ------------------------------------------------------------------------- KL reference
 def test_kl_loss_uses_a_frozen_copy(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "actor.kl_loss_coef=0.1")
-    ref = trainer.parts.reference.model
-    assert isinstance(ref, torch.nn.Module) and ref is not trainer.parts.model
+    ref = trainer.parts.learn.reference.model
+    assert isinstance(ref, torch.nn.Module) and ref is not trainer.parts.learn.model
     assert not any(p.requires_grad for p in ref.parameters())
-    policy_ptrs = {p.data_ptr() for p in trainer.parts.model.parameters()}
+    policy_ptrs = {p.data_ptr() for p in trainer.parts.learn.model.parameters()}
     assert not any(p.data_ptr() in policy_ptrs for p in ref.parameters())  # a copy, not shared storage
     ref_before = {n: p.clone() for n, p in ref.named_parameters()}
 
@@ -314,11 +315,11 @@ def test_kl_loss_uses_a_frozen_copy(tmp_path, model_dir):
     m2, _, _ = trainer.train_step()
     assert m2["actor/kl_loss"] > 1e-6
     assert all(torch.equal(ref_before[n], p) for n, p in ref.named_parameters())
-    assert any(not torch.equal(ref_before[n], p) for n, p in trainer.parts.model.named_parameters())
+    assert any(not torch.equal(ref_before[n], p) for n, p in trainer.parts.learn.model.named_parameters())
 
 
 def test_no_kl_no_reference(tmp_path, model_dir):
-    assert not make_trainer(tmp_path, model_dir).parts.reference.active
+    assert not make_trainer(tmp_path, model_dir).parts.learn.reference.active
 
 
 def test_kl_in_reward_is_logged_and_shapes_advantages(tmp_path, model_dir):
@@ -339,8 +340,8 @@ def test_ref_refresh_copies_the_policy(tmp_path, model_dir):
     trainer = make_trainer(tmp_path, model_dir, "actor.kl_loss_coef=0.1", "algorithm.ref_refresh_steps=2")
 
     def same() -> bool:  # the reference holds the policy's weights (its linear ones in bf16 under bf16 autocast)
-        ref = dict(trainer.parts.reference.model.named_parameters())
-        return all(torch.equal(p.to(ref[n].dtype), ref[n]) for n, p in trainer.parts.model.named_parameters())
+        ref = dict(trainer.parts.learn.reference.model.named_parameters())
+        return all(torch.equal(p.to(ref[n].dtype), ref[n]) for n, p in trainer.parts.learn.model.named_parameters())
 
     assert same()
     trainer.train_step()
@@ -362,10 +363,10 @@ def test_the_engine_hears_of_every_weight_change(tmp_path, model_dir, monkeypatc
     )
     trainer = make_trainer(tmp_path, model_dir, "trainer.total_steps=2", "trainer.val_before_train=false")
     assert seen == []  # a fresh start loads nothing
-    before = trainable(trainer.parts.model)["model.norm.weight"]
+    before = trainable(trainer.parts.learn.model)["model.norm.weight"]
     trainer.fit()
     assert len(seen) == 2 and not torch.equal(seen[0], before)
-    torch.testing.assert_close(seen[-1], trainable(trainer.parts.model)["model.norm.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(seen[-1], trainable(trainer.parts.learn.model)["model.norm.weight"], rtol=0, atol=0)
 
     resumed = make_trainer(tmp_path, model_dir, "trainer.total_steps=3", "trainer.val_before_train=false")
     assert len(seen) == 3 and resumed.step == 2
@@ -401,13 +402,14 @@ def test_held_out_accuracy_is_also_logged_per_group(tmp_path, model_dir, key, gr
 def test_a_breakdown_key_with_too_many_values_is_refused_with_a_warning(tmp_path, model_dir, caplog):
     config = write_run_config(tmp_path, model_dir)
     trainer = Trainer(load_config(config, ["trainer.val_breakdown=kind"]))
-    for i, sample in enumerate(trainer.parts.val_samples):
+    for i, sample in enumerate(trainer.parts.evaluate.samples):
         sample.extra_info["kind"] = f"k{i}"
     import grouprl.trainer.setup as run_setup
 
     run_setup.MAX_BREAKDOWN_GROUPS, saved = 3, run_setup.MAX_BREAKDOWN_GROUPS
     try:
-        trainer.parts.breakdown = run_setup.breakdown_key("kind", trainer.parts.val_samples)
+        key = run_setup.breakdown_key("kind", trainer.parts.evaluate.samples)
+        trainer.evaluator.p = dataclasses.replace(trainer.evaluator.p, breakdown=key)  # what evaluation is given
     finally:
         run_setup.MAX_BREAKDOWN_GROUPS = saved
     assert "has 4 values in the held-out data" in caplog.text
@@ -419,7 +421,7 @@ def test_the_other_losses_update_the_policy(tmp_path, model_dir, loss):
     """CISPO, SAPO and GMPO (tests/algorithms: against verl's formulas) through a whole step."""
     clip = ["actor.clip_low=0.4", "actor.clip_high=0.4"] if loss == "gmpo" else ["actor.clip_low=0.2", "actor.clip_high=0.28"]
     trainer = make_trainer(tmp_path, model_dir, f"actor.policy_loss={loss}", *clip)
-    before = trainable(trainer.parts.model)
+    before = trainable(trainer.parts.learn.model)
     metrics, _, _ = trainer.train_step()
     assert math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
-    assert any(not torch.equal(before[n], p) for n, p in trainable(trainer.parts.model).items())
+    assert any(not torch.equal(before[n], p) for n, p in trainable(trainer.parts.learn.model).items())

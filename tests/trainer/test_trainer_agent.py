@@ -33,7 +33,7 @@ def agent_overrides(index_dir):
 def test_agent_trajectories_train_only_policy_tokens(tmp_path, model_dir, index_dir):
     config = write_run_config(tmp_path, model_dir, reward=LOWER_FRACTION)
     trainer = Trainer(load_config(config, agent_overrides(index_dir)))
-    assert set(trainer.parts.agent.tools) == {"search", "bbox"}
+    assert set(trainer.parts.collect.runner.tools) == {"search", "bbox"}
     metrics, trajectories, _ = trainer.train_step()
     assert len(trajectories) == 2 * 4
     assert metrics["agent/turns_mean"] >= 1 and "actor/pg_loss" in metrics
@@ -60,7 +60,7 @@ def test_search_without_a_retriever_is_a_config_error(tmp_path, model_dir, index
 def _track_submissions(trainer):
     """Record each group handed to the streaming scorer, and whether the agent loop was running."""
     running, submitted = [False], []
-    run, open_batch = trainer.parts.agent.run, trainer.parts.streaming.open
+    run, open_batch = trainer.parts.collect.runner.run, trainer.parts.collect.streaming.open
 
     def tracked_run(*args, **kwargs):
         running[0] = True
@@ -80,7 +80,7 @@ def _track_submissions(trainer):
         batch.submit = tracked_submit
         return batch
 
-    trainer.parts.agent.run, trainer.parts.streaming.open = tracked_run, tracked_open
+    trainer.parts.collect.runner.run, trainer.parts.collect.streaming.open = tracked_run, tracked_open
     return submitted
 
 
@@ -115,9 +115,9 @@ def test_streaming_agent_rewards_equal_batch_rewards(tmp_path, model_dir, index_
             submitted = _track_submissions(trainer) if streaming else []
             metrics, trajectories, _ = trainer.train_step()
             runs[streaming] = (metrics, trajectories, submitted)
-            if trainer.parts.streaming is not None:
-                trainer.parts.streaming.close()
-            trainer.parts.reward.close()
+            if trainer.parts.collect.streaming is not None:
+                trainer.parts.collect.streaming.close()
+            trainer.parts.collect.reward.close()
         requests = server.requests
 
     (s_metrics, s_traj, submitted), (b_metrics, b_traj, _) = runs[True], runs[False]

@@ -36,7 +36,8 @@ def responses(trajectories):
 
 def test_bf16_records_the_engines_log_probs_and_corrects_by_default(tmp_path, model_dir):
     trainer = make_trainer(tmp_path / "on", model_dir, "actor.dtype=bfloat16")
-    assert trainer.parts.engine_differs and trainer.parts.rollout_is == "token" and trainer.parts.engine.report_log_probs
+    # auto resolved: the engine's bf16 numbers can differ, so it records its log-probs
+    assert trainer.parts.learn.updater.rollout_is == "token" and trainer.parts.collect.engine.report_log_probs
     metrics, trajectories, _ = trainer.train_step()
     assert all(t.rollout_log_probs is not None and len(t.rollout_log_probs) == len(t.response_ids) for t in trajectories)
     for key in MISMATCH_KEYS + ["rollout/is_mean", "rollout/is_ess", "rollout/is_capped_frac"]:
@@ -58,7 +59,7 @@ def test_bf16_records_the_engines_log_probs_and_corrects_by_default(tmp_path, mo
 
 def test_float32_on_the_built_in_engine_needs_no_correction(tmp_path, model_dir):
     trainer = make_trainer(tmp_path / "fp32", model_dir, "actor.dtype=float32")
-    assert not trainer.parts.engine_differs and trainer.parts.rollout_is == "off" and not trainer.parts.engine.report_log_probs
+    assert trainer.parts.learn.updater.rollout_is == "off" and not trainer.parts.collect.engine.report_log_probs
     metrics, trajectories, _ = trainer.train_step()
     assert all(t.rollout_log_probs is None for t in trajectories)
     assert not any(k.startswith("rollout/") for k in metrics)
@@ -83,7 +84,7 @@ def test_mask_mode_takes_samples_out_and_says_how_many(tmp_path, model_dir):
 def test_the_explicit_levels_reach_the_update(tmp_path, model_dir):
     for level in ("sequence", "geometric"):
         trainer = make_trainer(tmp_path / level, model_dir, "actor.dtype=bfloat16", f"algorithm.rollout_is={level}")
-        assert trainer.parts.rollout_is == level and trainer.parts.updater.rollout_is == level
+        assert trainer.parts.learn.updater.rollout_is == level
         metrics, _, _ = trainer.train_step()
         assert "rollout/is_ess" in metrics
 
@@ -121,10 +122,10 @@ def test_gspo_with_token_mean_warns_at_start(tmp_path, model_dir, caplog):
 
 def test_sum_norm_divides_by_the_configured_response_length(tmp_path, model_dir, index_dir):
     sum_norm = ["actor.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=12"]
-    assert make_trainer(tmp_path / "a", model_dir, *sum_norm).parts.updater.norm_length == 12
-    assert make_trainer(tmp_path / "b", model_dir, *sum_norm, "actor.loss_scale_factor=100").parts.updater.norm_length == 100
+    assert make_trainer(tmp_path / "a", model_dir, *sum_norm).parts.learn.updater.norm_length == 12
+    assert make_trainer(tmp_path / "b", model_dir, *sum_norm, "actor.loss_scale_factor=100").parts.learn.updater.norm_length == 100
     agent = ["agent.enabled=true", f"agent.retriever.index={index_dir}", "agent.max_turns=3", "data.max_prompt_length=2048"]
-    assert make_trainer(tmp_path / "c", model_dir, *sum_norm, *agent).parts.updater.norm_length == 3 * 12
+    assert make_trainer(tmp_path / "c", model_dir, *sum_norm, *agent).parts.learn.updater.norm_length == 3 * 12
     budget = make_trainer(tmp_path / "d", model_dir, *sum_norm, *agent, "agent.max_response_tokens=64")
-    assert budget.parts.updater.norm_length == 64
-    assert make_trainer(tmp_path / "e", model_dir).parts.updater.norm_length is None  # other modes: unused
+    assert budget.parts.learn.updater.norm_length == 64
+    assert make_trainer(tmp_path / "e", model_dir).parts.learn.updater.norm_length is None  # other modes: unused

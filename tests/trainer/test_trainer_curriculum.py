@@ -45,7 +45,7 @@ def step_uids(root):
 
 def test_curriculum_sampler_tracks_every_group_and_logs_its_buckets(tmp_path, model_dir):
     trainer = trainer_for(tmp_path, model_dir, "curriculum.rebucket_every=2", "trainer.total_steps=3")
-    assert isinstance(trainer.parts.sampler, OnlineCurriculum)
+    assert isinstance(trainer.parts.collect.sampler, OnlineCurriculum)
     trainer.fit()
     steps = [m for m in metrics_of(tmp_path) if "reward/mean" in m]
     assert len(steps) == 3
@@ -54,7 +54,7 @@ def test_curriculum_sampler_tracks_every_group_and_logs_its_buckets(tmp_path, mo
         assert sizes == 8  # every training prompt sits in exactly one pool
     assert steps[0]["curriculum/unseen"] == 8 and steps[-1]["curriculum/unseen"] < 8
     visited = {uid for uids in step_uids(tmp_path).values() for uid in uids}
-    assert sum(trainer.parts.sampler.stats(uid)["visits"] for uid in visited) == 3 * 2  # one update per group
+    assert sum(trainer.parts.collect.sampler.stats(uid)["visits"] for uid in visited) == 3 * 2  # one update per group
 
 
 def test_dynamic_filter_over_samples_and_falls_back_to_flat_groups(tmp_path, model_dir):
@@ -97,8 +97,8 @@ def test_resumed_curriculum_draws_what_an_uninterrupted_run_draws(tmp_path, mode
     second.fit()
     assert step_uids(resumed) == step_uids(whole)
     assert (
-        second.parts.sampler.state_dict()
-        == trainer_for(whole, model_dir, "trainer.total_steps=4", *settings).parts.sampler.state_dict()
+        second.parts.collect.sampler.state_dict()
+        == trainer_for(whole, model_dir, "trainer.total_steps=4", *settings).parts.collect.sampler.state_dict()
     )
 
 

@@ -39,7 +39,7 @@ def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, fam
         "rollout.check_log_probs=true", "rollout.n_agent=8", "actor.optim.lr=2e-2", "trainer.total_steps=16",
         "trainer.save_final=true", "trainer.save_best=false",
     )
-    assert trainer.parts.vision is not None and trainer.parts.family.image_token_id in trainer.parts.train_prompts[0]
+    assert trainer.parts.vision is not None and trainer.parts.vision.family.image_token_id in trainer.parts.collect.train_prompts[0]
     summary = trainer.fit()
     metrics = [m for m in read_jsonl(tmp_path / "runs" / "run" / "metrics.jsonl") if "reward/mean" in m]
     rewards = [m["reward/mean"] for m in metrics]
@@ -52,7 +52,7 @@ def test_a_tiny_vlm_learns_and_the_update_sees_what_generation_saw(tmp_path, fam
     final = tmp_path / "runs" / "run" / "final"
     assert (final / "preprocessor_config.json").is_file()
     reloaded = AutoModelForImageTextToText.from_pretrained(final)
-    for (name, a), b in zip(trainer.parts.model.named_parameters(), reloaded.parameters()):
+    for (name, a), b in zip(trainer.parts.learn.model.named_parameters(), reloaded.parameters()):
         assert torch.equal(a, b), name
 
 
@@ -119,7 +119,7 @@ def test_a_resumed_vlm_run_repeats_the_uninterrupted_one(tmp_path, family):
                 for r in read_jsonl(root / "runs" / "run" / "rollouts.jsonl")]
 
     assert records(tmp_path / "b") == records(tmp_path / "a")
-    for (name, p), q in zip(a.parts.model.named_parameters(), resumed.parts.model.parameters()):
+    for (name, p), q in zip(a.parts.learn.model.named_parameters(), resumed.parts.learn.model.parameters()):
         assert torch.equal(p, q), name
 
 
@@ -136,9 +136,9 @@ def test_parts_freeze_as_configured(tmp_path, overrides, tower_trains, connector
     trainer = trainer_for(
         tmp_path, "idefics3", *overrides, "trainer.total_steps=1", "actor.optim.lr=1e-1", reward=LOWER_FRACTION
     )
-    before = {n: p.detach().clone() for n, p in trainer.parts.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.parts.learn.model.named_parameters()}
     trainer.train_step()
-    moved = {n for n, p in trainer.parts.model.named_parameters() if not torch.equal(p, before[n])}
+    moved = {n for n, p in trainer.parts.learn.model.named_parameters() if not torch.equal(p, before[n])}
     parts = {
         "tower": [n for n in before if n.startswith("model.vision_model.")],
         "connector": [n for n in before if n.startswith("model.connector.")],
@@ -146,7 +146,7 @@ def test_parts_freeze_as_configured(tmp_path, overrides, tower_trains, connector
     }
     for part, trains in (("tower", tower_trains), ("connector", connector_trains), ("language", language_trains)):
         assert bool(moved & set(parts[part])) == trains, part
-        assert all(p.requires_grad == trains for n, p in trainer.parts.model.named_parameters() if n in parts[part])
+        assert all(p.requires_grad == trains for n, p in trainer.parts.learn.model.named_parameters() if n in parts[part])
 
 
 @pytest.mark.parametrize("target_vision", [False, True])
@@ -155,11 +155,11 @@ def test_lora_adapts_the_language_model_or_both(tmp_path, target_vision):
         tmp_path, "qwen2_vl", "model.lora.rank=4", f"model.lora.target_vision={str(target_vision).lower()}",
         "trainer.total_steps=1",
     )
-    adapted = {n.split(".lora_")[0] for n, _ in trainer.parts.model.named_parameters() if ".lora_" in n}
+    adapted = {n.split(".lora_")[0] for n, _ in trainer.parts.learn.model.named_parameters() if ".lora_" in n}
     in_tower = {n for n in adapted if ".visual." in n}
     assert any(".language_model." in n for n in adapted)
     assert bool(in_tower) == target_vision
-    trainable = [n for n, p in trainer.parts.model.named_parameters() if p.requires_grad]
+    trainable = [n for n, p in trainer.parts.learn.model.named_parameters() if p.requires_grad]
     assert all(".lora_" in n for n in trainable)  # the tower (merger included) frozen, base weights too
     trainer.train_step()
 
@@ -191,7 +191,7 @@ def test_an_engine_that_sees_a_prompts_images_otherwise_names_the_sample(tmp_pat
     def mismatched(prompts, *args, **kwargs):
         raise ImageMismatch(1, "prompt 1, image 0 (40x56): vLLM expands it to 2 image tokens, the trainer's processor to 1")
 
-    monkeypatch.setattr(trainer.parts.engine, "generate", mismatched)
+    monkeypatch.setattr(trainer.parts.collect.engine, "generate", mismatched)
     samples, prompts = trainer.collector.next_prompts()
     with pytest.raises(ModelLoadError) as caught:
         trainer.collector.rollout(samples, prompts, 2)

@@ -20,6 +20,7 @@ from vision_task import write_vision_run
 
 from grouprl.config import load_config
 from grouprl.retriever.index import build_index
+from grouprl.rollout.agent import AgentLoop
 from grouprl.rollout.gold import write_slides_task
 from grouprl.trainer.trainer import Trainer
 from retriever.sample_index import shared_embedder
@@ -61,12 +62,12 @@ def agent_trainer(tmp_path, family, slides, monkeypatch, *overrides):
 @pytest.mark.parametrize("family", ["qwen2_vl", "idefics3"])
 def test_a_vlm_search_agent_trains_on_page_images_and_crops(tmp_path, family, slides, monkeypatch):
     trainer = agent_trainer(tmp_path, family, slides, monkeypatch, "trainer.total_steps=2", "data.image_max_pixels=6272")
-    assert trainer.parts.agent is not None and trainer.parts.vision is not None
+    assert isinstance(trainer.parts.collect.runner, AgentLoop) and trainer.parts.vision is not None
     # the pixel cap of the data's images reaches the tools: the pages a search shows, the crops
-    assert trainer.parts.agent.tools["search"].max_pixels == trainer.parts.agent.tools["bbox"].max_pixels == 112 * 56
-    before = {n: p.detach().clone() for n, p in trainer.parts.model.named_parameters() if p.requires_grad}
+    assert trainer.parts.collect.runner.tools["search"].max_pixels == trainer.parts.collect.runner.tools["bbox"].max_pixels == 112 * 56
+    before = {n: p.detach().clone() for n, p in trainer.parts.learn.model.named_parameters() if p.requires_grad}
     metrics, trajectories, _ = trainer.train_step()
-    image_token = trainer.parts.family.image_token_id
+    image_token = trainer.parts.vision.family.image_token_id
     for t in trajectories:
         assert [r["action"] for r in t.turns][:2] == ["search", "bbox"]
         page, crop = t.response_images  # the first hit's page, then the crop of it
@@ -79,7 +80,7 @@ def test_a_vlm_search_agent_trains_on_page_images_and_crops(tmp_path, family, sl
     # the update scored every policy token as generation did, after both image observations
     assert metrics["rollout/mismatch_max"] < 1e-5, metrics["rollout/mismatch_max"]
     assert metrics["adv/max"] > 0 and metrics["actor/grad_norm"] > 0
-    moved = [n for n, p in trainer.parts.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    moved = [n for n, p in trainer.parts.learn.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert moved
     trainer.fit()  # step 2 runs the same way through fit
     run = tmp_path / "runs" / "run"

@@ -84,7 +84,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, model_dir):
         ]
 
     assert records(tmp_path / "b") == records(tmp_path / "a")
-    for (name, p), q in zip(a.parts.model.named_parameters(), resumed.parts.model.parameters()):
+    for (name, p), q in zip(a.parts.learn.model.named_parameters(), resumed.parts.learn.model.parameters()):
         assert torch.allclose(p, q, atol=1e-6, rtol=0), name
 
 
@@ -99,7 +99,7 @@ def test_truncated_importance_weights_enter_the_loss(tmp_path, model_dir, monkey
         "actor.micro_batch_size=8",
     )
     seen, steps = [], []
-    real_loss, real_update = update.policy_loss, trainer.parts.updater.update
+    real_loss, real_update = update.policy_loss, trainer.parts.learn.updater.update
 
     def loss_spy(*args, token_weights=None, **kwargs):
         seen.append(token_weights)
@@ -112,7 +112,7 @@ def test_truncated_importance_weights_enter_the_loss(tmp_path, model_dir, monkey
         return done
 
     monkeypatch.setattr(update, "policy_loss", loss_spy)
-    monkeypatch.setattr(trainer.parts.updater, "update", update_spy)
+    monkeypatch.setattr(trainer.parts.learn.updater, "update", update_spy)
     metrics, _, _ = trainer.train_step()
     tensors, old = steps[0]
     assert len(seen) == 1 and seen[0] is not None  # one micro-batch of the whole step
@@ -177,7 +177,7 @@ def test_one_step_off_policy_on_vllm_is_deterministic_and_pushes_between_batches
                 tmp_path, model_dir, "rollout.max_staleness=1", "rollout.sleep_level=0", "trainer.total_steps=3",
                 "trainer.save_best=false", f"trainer.experiment_name={name}", *where,
             )  # fmt: skip
-            assert trainer.parts.ahead.engine is not trainer.parts.engine and type(trainer.parts.engine).__name__ == "HFEngine"
+            assert trainer.parts.ahead.engine is not trainer.parts.collect.engine and type(trainer.parts.collect.engine).__name__ == "HFEngine"
             assert type(trainer.parts.ahead.engine).__name__ == ("EngineProcess" if where else "VLLMEngine")
             trainer.fit()
             runs.append(tmp_path / "runs" / name)

@@ -108,9 +108,11 @@ class AgentLoop:
         cfg: AgentConfig,
         answer_generator: AnswerGenerator | None = None,
         vision: Any = None,
+        answer_dtype: torch.dtype = torch.float32,
     ):
         """`vision`: a VLM policy's processor (grouprl.vision VisionProcessor): observation
-        images (retrieved pages, crops) are shown to it as images in the next user turn."""
+        images (retrieved pages, crops) are shown to it as images in the next user turn.
+        `answer_dtype`: what an `hf:` answer generator built here loads its weights in."""
         self.engine = engine
         self.vision = vision
         self.tokenizer = tokenizer
@@ -118,7 +120,7 @@ class AgentLoop:
         self.cfg = cfg
         self.self_answer = cfg.answer_generator == "none"
         if answer_generator is None and not self.self_answer:
-            answer_generator = build_answer_generator(cfg, engine)
+            answer_generator = build_answer_generator(cfg, engine, answer_dtype)
         self.answer_generator = None if self.self_answer else answer_generator
         self.chat = ChatRenderer(tokenizer, cfg.observation_role)
         check_limit(tokenizer, cfg)

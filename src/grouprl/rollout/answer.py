@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+import torch
 
 from grouprl.data.prompts import encode_prompt
 from grouprl.errors import ConfigError, ModelLoadError
@@ -161,8 +162,12 @@ class OpenAIAnswerGenerator:
         return AnswerResult(format_answer(content))
 
 
-def build_answer_generator(cfg: Any, policy_engine: RolloutEngine) -> AnswerGenerator | None:
-    """The generator `cfg` (an AgentConfig) names; None when the policy answers itself."""
+def build_answer_generator(
+    cfg: Any, policy_engine: RolloutEngine, dtype: torch.dtype = torch.float32
+) -> AnswerGenerator | None:
+    """The generator `cfg` (an AgentConfig) names; None when the policy answers itself.
+    `dtype`: what an `hf:` generator's weights load in (the trainer gives its policy's), on the
+    policy engine's device."""
     name = cfg.answer_generator
     if name == "none":
         return None
@@ -172,7 +177,7 @@ def build_answer_generator(cfg: Any, policy_engine: RolloutEngine) -> AnswerGene
         return LocalAnswerGenerator.from_pretrained(
             name[3:],
             policy_engine.device,
-            next(policy_engine.model.parameters()).dtype,
+            dtype,
             cfg.answer_max_tokens,
         )
     if name == "openai":

@@ -28,6 +28,7 @@ from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.image_report import eval_rows
 from grouprl.trainer.loggers import clean
 from grouprl.trainer.models import resolve_model_path
+from grouprl.trainer.parts import EvalParts
 from grouprl.trainer.step import policy_for_generation
 
 Progress = Callable[[int, int], None]  # (done, total) after each chunk
@@ -192,8 +193,9 @@ class Evaluator:
     0 = greedy) on evaluation's own sampling streams, scored; several ranks answer a block each.
     Keeps the images of evaluations whose reward draws them, for the before/after report."""
 
-    def __init__(self, cfg: Config, parts, collector):
-        """`parts`: setup.Parts; `collector`: step.Collector (its rollout)."""
+    def __init__(self, cfg: Config, parts: EvalParts, collector):
+        """`parts`: what evaluation reads (the held-out samples and prompts, the engine, the
+        rewards, the ranks); `collector`: step.Collector (its rollout)."""
         self.cfg, self.p, self.collector = cfg, parts, collector
         self.ranks = parts.ranks
         self.images: list[tuple[int, list[dict]]] = []  # (step, rows) of evaluations that drew images
@@ -205,7 +207,7 @@ class Evaluator:
         trainer.val_breakdown value. `answers`: a folder for answers.jsonl and metrics.json;
         `progress(done, total)` after each chunk of this rank's share."""
         p = self.p
-        keep = [i for i, q in enumerate(p.val_prompts) if q is not None]
+        keep = [i for i, q in enumerate(p.prompts) if q is not None]
         if not keep:
             return {}
         t0 = time.perf_counter()
@@ -217,8 +219,8 @@ class Evaluator:
             for start in range(mine.start, mine.stop, batch):
                 chunk = keep[start : min(start + batch, mine.stop)]
                 trajectories += self.collector.rollout(
-                    [p.val_samples[i] for i in chunk],
-                    [p.val_prompts[i] for i in chunk],
+                    [p.samples[i] for i in chunk],
+                    [p.prompts[i] for i in chunk],
                     1,
                     evaluation=True,
                     first_group=start,
@@ -246,8 +248,8 @@ class Evaluator:
                 answered = set(keep)
                 write_answers(
                     answers,
-                    [next(records) if i in answered else skipped_record(s) for i, s in enumerate(p.val_samples)],
-                    {"model": self.cfg.model.path, "step": step, "samples": len(p.val_samples),
+                    [next(records) if i in answered else skipped_record(s) for i, s in enumerate(p.samples)],
+                    {"model": self.cfg.model.path, "step": step, "samples": len(p.samples),
                      "answered": len(keep), **out},
                 )
         return out

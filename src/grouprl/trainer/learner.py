@@ -24,6 +24,7 @@ from grouprl.config import Config
 from grouprl.devices import release_cached_memory
 from grouprl.trainer.metric_parts import merge
 from grouprl.trainer.parallel import state_gb
+from grouprl.trainer.parts import LearnParts
 from grouprl.trainer.step_batch import Learned, StepBatch
 from grouprl.trainer.update import StepTensors, build_step_tensors
 
@@ -37,8 +38,9 @@ def peak_rss_gb() -> float:
 class Learner:
     """Turns a StepBatch into an update of the policy and pushes the new weights to the engine."""
 
-    def __init__(self, cfg: Config, parts):
-        """`parts`: setup.Parts (policy, reference, updater, optimizer, engine, ranks, ...)."""
+    def __init__(self, cfg: Config, parts: LearnParts):
+        """`parts`: what learn reads (the policy and reference, updater, optimizer and
+        scheduler, the engine the weights go to, the ranks)."""
         self.cfg, self.p = cfg, parts
         self.ranks = parts.ranks
         self.updating = False  # between the first optimizer step and the push: weights in between
@@ -208,10 +210,10 @@ class Learner:
         metrics = {
             f"rollout/{k if k.startswith(('kl_', 'chi2_')) else f'mismatch_{k}'}": float(v) for k, v in found.items()
         }
-        if p.rollout_is != "off":
+        if p.updater.rollout_is != "off":
             _, _, is_metrics = p.updater.correction(old_log_probs, tensors.rollout_log_probs, mask)
             metrics.update({f"rollout/is_{k}": v for k, v in is_metrics.items()})
-        if p.agent is not None:  # per policy turn, over every rank's tokens
+        if self.cfg.agent.enabled:  # per policy turn, over every rank's tokens
             turns = self.cfg.agent.max_turns
             sums = turn_mismatch_sums(old, rollout, mask, tensors.loss_mask, turns)
             sums = torch.tensor(self.ranks.reduce(sums.flatten().tolist())).view(turns, len(TURN_SUMS))

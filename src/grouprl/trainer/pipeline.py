@@ -27,7 +27,7 @@ rewards taught the tracker, so draws stay deterministic; generation then waits f
 
 Several ranks: every rank runs the same pipeline on its own groups. The copy is whole on each
 rank (snapshots are gathered from the shards by `publish`, which every rank calls after each
-step), and the threads' collectives go over a group of their own (setup.Ahead.ranks), so they
+step), and the threads' collectives go over a group of their own (parts.Ahead.ranks), so they
 never interleave with the update's on the trainer's group.
 """
 
@@ -44,6 +44,7 @@ import torch
 
 from grouprl.devices import use_device
 from grouprl.trainer.parallel import full_tensor
+from grouprl.trainer.parts import Ahead, CollectParts
 from grouprl.trainer.step import Collector
 from grouprl.trainer.step_batch import Loaded, StepBatch
 
@@ -65,31 +66,38 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
 class RolloutPipeline:
     """Batches generated and scored ahead of the update (see the module docstring)."""
 
-    def __init__(self, cfg, parts, first_step: int, total_steps: int, snapshots: dict[int, dict] | None = None):
-        """`parts`: setup.Parts with `ahead` set; `first_step`: the next step to learn;
-        `snapshots`: the weights of versions below `first_step` that its first batches need
-        (a resumed fixed-lag run's, from the checkpoint)."""
+    def __init__(
+        self,
+        cfg,
+        collect: CollectParts,
+        ahead: Ahead,
+        first_step: int,
+        total_steps: int,
+        snapshots: dict[int, dict] | None = None,
+    ):
+        """`collect`: the trainer's collect parts (its sampler, prompts and rewards), `ahead` the
+        generation side that takes the place of its engine and runner; `first_step`: the next
+        step to learn; `snapshots`: the weights of versions below `first_step` that its first
+        batches need (a resumed fixed-lag run's, from the checkpoint)."""
         self.cfg = cfg
         self.k = cfg.rollout.max_staleness
         self.fixed = cfg.rollout.async_schedule == "fixed_lag"
-        ahead = parts.ahead
         self.generation_copy, self.engine = ahead.generation_copy, ahead.engine
-        self.device = parts.device
+        self.device = collect.device
         # the rollout runs on the copy (whole on every rank: no gathering of the policy's shards)
-        # and its collectives go over the rollout threads' own group (setup.Ahead.ranks). The
+        # and its collectives go over the rollout threads' own group (parts.Ahead.ranks). The
         # generator thread's only collectives (dynamic filtering's refills) run while the scorer
         # waits for that batch, so the two threads never use the group at once
         generation = dataclasses.replace(
-            parts, engine=ahead.engine, agent=ahead.agent, single_turn=ahead.single_turn, policy=ahead.generation_copy,
-            ranks=ahead.ranks,
-        )  # fmt: skip
+            collect, engine=ahead.engine, runner=ahead.runner, policy=ahead.generation_copy, ranks=ahead.ranks
+        )
         # batches overlap: one's judge calls are still out when the next starts, so a batch's
         # start does not reset the judges' tallies (each check counts the calls since the last)
         self.collector = Collector(cfg, generation, judge_tallies_per_batch=False)
-        self.sampler = parts.sampler
-        self.reward_dependent = parts.sampler.learns_from_rewards
+        self.sampler = collect.sampler
+        self.reward_dependent = collect.sampler.learns_from_rewards
         # partial rollouts: newer weights offered to the engine, taken between an agent's turns
-        self.offer_between_turns = ahead.agent is not None and not self.fixed
+        self.offer_between_turns = cfg.agent.enabled and not self.fixed
         self.first, self.total = first_step, total_steps
         self.cond = threading.Condition()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = dict(snapshots or {})

@@ -2,8 +2,9 @@
 reference, sharding, the engine and rollout, rewards, sampler, optimizer and updater.
 
 `build(cfg)` builds them in the order that lets a user's mistake fail early: everything about
-the data and the rewards is checked before a model loads. The trainer wires the parts into
-collect (step.py), learn (step.py) and evaluation (evaluation.py).
+the data and the rewards is checked before a model loads. It returns them grouped by who reads
+them (parts.py): the run's own, and what collect (step.py), learn (learner.py), evaluation
+(evaluation.py) and asynchronous generation (pipeline.py) are each given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from grouprl.rollout.observation_fit import check_limit
 from grouprl.rollout.single_turn import SingleTurn
 from grouprl.rollout.tools.factory import build_tools
 from grouprl.trainer.evaluation import breakdown_value, reward_config
-from grouprl.trainer.memory import PeakMeter, Plan, longest, plan_run
+from grouprl.trainer.memory import PeakMeter, longest, plan_run
 from grouprl.trainer.models import (
     LoadedPolicy,
     autocast,
@@ -56,6 +56,7 @@ from grouprl.trainer.models import (
 from grouprl.trainer.offload import ParkedModule, ParkedOptimizer, parks_beside, wanted
 from grouprl.trainer.optim import build_optimizer, build_scheduler
 from grouprl.trainer.parallel import Ranks, device_mesh, load_into, shard
+from grouprl.trainer.parts import Ahead, CollectParts, EvalParts, LearnParts, Parts
 from grouprl.trainer.pipeline import trainable_names
 from grouprl.trainer.reference import Reference
 from grouprl.trainer.slices import Checkpoint
@@ -221,67 +222,6 @@ class PromptEncoder:
                 raise RuntimeError(f"the images of sample {s.uid!r} processed differently than when encoded")
             out.append(images)
         return out
-
-
-@dataclass
-class Parts:
-    """What `build` made; the trainer keeps them as its attributes of the same names."""
-
-    cfg: Config  # the run's settings, those that depend on the devices settled (memory.plan_run)
-    plan: Plan | None  # the memory plan (None: trainer.memory_check=off)
-    meter: PeakMeter  # each phase's measured peak
-    run_dir: Path
-    train_samples: list[Sample]
-    val_samples: list[Sample]
-    breakdown: str  # trainer.val_breakdown, or "" when the held-out data cannot use it
-    device: torch.device
-    ranks: Ranks
-    reward: CompositeReward
-    dtype: torch.dtype  # parameters
-    compute_dtype: torch.dtype | None  # the update's autocast (None: the parameters')
-    rollout_dtype: torch.dtype | None  # generation's autocast
-    engine_differs: bool  # the engine's log-probs can differ from the update's (bf16, vLLM)
-    rollout_is: str  # algorithm.rollout_is with auto resolved
-    tokenizer: Any
-    model: torch.nn.Module
-    is_lora: bool
-    vision: VisionProcessor | None
-    family: Any  # the VLM family (grouprl.vision.families), None for text
-    encoder: PromptEncoder
-    train_prompts: list[list[int] | None]
-    val_prompts: list[list[int] | None]
-    prompt_stats: dict[str, float]
-    sampler: Sampler  # PromptSampler, or the online curriculum
-    total_steps: int
-    reference: Reference  # the KL term's: a frozen copy, the LoRA policy's adapters disabled, or none
-    policy: torch.nn.Module  # what the update runs: the model, or its FSDP2 root over several ranks
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    engine: RolloutEngine
-    agent: AgentLoop | None
-    single_turn: SingleTurn
-    streaming: StreamingRewards | None  # groups scored while the rest of the batch generates
-    updater: PolicyUpdater
-    optimizer_parked: ParkedOptimizer  # AdamW's state in host memory outside the update
-    # rollout.max_staleness > 0: what generates ahead of the update, on a thread of its own
-    ahead: Ahead | None = None
-
-
-@dataclass
-class Ahead:
-    """The generation side of asynchronous training: a copy of the policy (`generation_copy`,
-    loaded with the weights of the version a batch needs), the engine that samples from it (the
-    built-in engine over the copy, vLLM, which pushes from it into its own, or either in an
-    engine process of its own, rollout.engine_process, fed from the copy over gloo) and the
-    rollout runners over that engine. The trainer's own `engine` then serves evaluation, on the
-    current weights."""
-
-    generation_copy: torch.nn.Module
-    engine: RolloutEngine
-    agent: AgentLoop | None
-    single_turn: SingleTurn
-    ranks: Ranks  # the same ranks over a group of the rollout threads' own (Ranks.fork)
 
 
 def make_sampler(cfg: Config, train_samples: list[Sample]) -> Sampler:
@@ -461,10 +401,19 @@ def load_models(
     return Models(loaded, policy, ref_model, generation_copy)
 
 
+def runner_over(cfg: Config, engine: RolloutEngine, tokenizer, vision, answer_dtype: torch.dtype) -> AgentLoop | SingleTurn:
+    """The rollout runner over `engine`: the agent loop (its tools from agent.*; an `hf:` answer
+    generator in the policy's precision, `answer_dtype`), or single-turn generation."""
+    if not cfg.agent.enabled:
+        return SingleTurn(engine)
+    tools = build_tools(cfg.agent, cfg.data.image_max_pixels)
+    return AgentLoop(engine, tokenizer, tools, cfg.agent, vision=vision, answer_dtype=answer_dtype)
+
+
 def make_engines(cfg: Config, models: Models, device: torch.device, precision: Precision, ranks: Ranks, report: bool):
-    """The trainer's engine and its rollout runners, and with rollout.max_staleness what
+    """The trainer's engine and the rollout runner over it, and with rollout.max_staleness what
     generates ahead of the update (Ahead): the copy, the engine that samples from it, and its
-    runners; the trainer's own built-in engine, on the current weights, then serves evaluation."""
+    runner; the trainer's own built-in engine, on the current weights, then serves evaluation."""
     loaded, tokenizer, family = models.loaded, models.loaded.tokenizer, models.loaded.family
     model, path = loaded.model, loaded.path
     ahead = None
@@ -483,10 +432,10 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
                 cfg.rollout, generation_copy, tokenizer, model_path=path, seed=cfg.trainer.seed, dtype=precision.rollout,
                 vision=family, report_log_probs=True, device=device,
             )  # fmt: skip
-        agent = AgentLoop(ahead_engine, tokenizer, build_tools(cfg.agent, cfg.data.image_max_pixels), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
         # the rollout threads' collectives (judge failures, dropped groups, refills) go over a
         # group of their own, so that they never interleave with the update's
-        ahead = Ahead(generation_copy, ahead_engine, agent, SingleTurn(ahead_engine), ranks.fork())
+        runner = runner_over(cfg, ahead_engine, tokenizer, loaded.vision, precision.dtype)
+        ahead = Ahead(generation_copy, ahead_engine, runner, ranks.fork())
         engine = build_engine(replace(cfg.rollout, engine="hf"), model, tokenizer, vision=family, report_log_probs=report)
     else:
         engine = build_engine(
@@ -494,8 +443,7 @@ def make_engines(cfg: Config, models: Models, device: torch.device, precision: P
             vision=family, report_log_probs=report, device=device,
             sharded=models.policy if models.policy is not model else None,  # each rank's engine, fed layer by layer
         )  # fmt: skip
-    agent = AgentLoop(engine, tokenizer, build_tools(cfg.agent, cfg.data.image_max_pixels), cfg.agent, vision=loaded.vision) if cfg.agent.enabled else None
-    return engine, agent, ahead
+    return engine, runner_over(cfg, engine, tokenizer, loaded.vision, precision.dtype), ahead
 
 
 def make_updater(
@@ -570,17 +518,23 @@ def build(cfg: Config) -> Parts:
     optimizer_parked = ParkedOptimizer(optimizer, device, enabled=bool(a.optimizer_offload) and beside)
     optimizer_parked.out()  # (no state before the first step)
     report = cfg.rollout.check_log_probs or engine_differs or rollout_is != "off"
-    engine, agent, ahead = make_engines(cfg, models, device, precision, ranks, report)
-    return Parts(
-        cfg=cfg, plan=plan, meter=PeakMeter(device), run_dir=run_dir, train_samples=train_samples,
-        val_samples=val_samples, breakdown=breakdown, device=device, ranks=ranks, reward=reward,
-        dtype=precision.dtype, compute_dtype=precision.compute, rollout_dtype=precision.rollout,
-        engine_differs=engine_differs, rollout_is=rollout_is, tokenizer=tokenizer, model=model,
-        is_lora=cfg.model.lora.rank > 0, vision=vision, family=models.loaded.family, encoder=encoder,
-        train_prompts=train_prompts, val_prompts=val_prompts, prompt_stats=prompt_stats, sampler=sampler,
-        total_steps=total_steps, reference=reference, policy=models.policy, params=params,
-        optimizer=optimizer, scheduler=scheduler, engine=engine, agent=agent, single_turn=SingleTurn(engine),
-        streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
+    engine, runner, ahead = make_engines(cfg, models, device, precision, ranks, report)
+    meter = PeakMeter(device)
+    collect = CollectParts(
+        ranks=ranks, device=device, engine=engine, runner=runner, policy=models.policy, rollout_dtype=precision.rollout,
+        encoder=encoder, sampler=sampler, train_samples=train_samples, train_prompts=train_prompts,
+        prompt_stats=prompt_stats, reward=reward, streaming=StreamingRewards(reward) if cfg.reward.streaming else None,
+    )  # fmt: skip
+    learn = LearnParts(
+        ranks=ranks, device=device, meter=meter, engine=engine, model=model, policy=models.policy, params=params,
+        reference=reference, optimizer=optimizer, scheduler=scheduler, optimizer_parked=optimizer_parked,
         updater=make_updater(cfg, engine.pad_token_id, precision, rollout_is, models.loaded.family, ranks, device),
-        optimizer_parked=optimizer_parked, ahead=ahead,
+    )  # fmt: skip
+    evaluate = EvalParts(
+        ranks=ranks, engine=engine, policy=models.policy, reward=reward, samples=val_samples, prompts=val_prompts,
+        breakdown=breakdown,
+    )  # fmt: skip
+    return Parts(
+        cfg=cfg, plan=plan, meter=meter, run_dir=run_dir, ranks=ranks, tokenizer=tokenizer, vision=vision,
+        total_steps=total_steps, collect=collect, learn=learn, evaluate=evaluate, ahead=ahead,
     )  # fmt: skip

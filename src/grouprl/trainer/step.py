@@ -37,6 +37,7 @@ from grouprl.rollout.trajectory import Trajectory
 from grouprl.trainer.metric_parts import merge
 from grouprl.trainer.models import autocast
 from grouprl.trainer.parallel import gathered, reduce_metrics
+from grouprl.trainer.parts import CollectParts
 from grouprl.trainer.step_batch import (
     Generated,
     Group,
@@ -83,14 +84,21 @@ class Scored:
 class Collector:
     """Draws a step's prompts, rolls them out (single-turn or agent) and scores them."""
 
-    def __init__(self, cfg: Config, parts, judge_tallies_per_batch: bool = True):
-        """`parts`: setup.Parts (sampler, prompts, engine, rollout, rewards, ranks, ...);
-        `judge_tallies_per_batch`: a batch's start resets the judges' tallies (the calls of an
-        evaluation before it are not its own); off where batches overlap."""
+    def __init__(self, cfg: Config, parts: CollectParts, judge_tallies_per_batch: bool = True):
+        """`parts`: what collect reads (the sampler and prompts, the engine and runner, the
+        rewards, the ranks); `judge_tallies_per_batch`: a batch's start resets the judges'
+        tallies (the calls of an evaluation before it are not its own); off where batches overlap."""
         self.cfg, self.p = cfg, parts
         self.judge_tallies_per_batch = judge_tallies_per_batch
         self.ranks = parts.ranks
-        self.runner = parts.agent if parts.agent is not None else parts.single_turn
+        self.runner = parts.runner
+
+    def stop_streaming(self) -> None:
+        """Streamed scoring closed for good (the run ends): a later rollout is scored after it
+        generates."""
+        if self.p.streaming is not None:
+            self.p.streaming.close()
+            self.p = dataclasses.replace(self.p, streaming=None)
 
     # ------------------------------------------------------------------ rollout
     def sampling_params(self, evaluation: bool = False) -> SamplingParams:
@@ -144,7 +152,7 @@ class Collector:
                 )
             except ModelLoadError as e:  # the engine saw a prompt's images otherwise: name the sample
                 prompt = getattr(e, "prompt", None)
-                if prompt is None or self.p.agent is not None:  # an agent's later turns index rows
+                if prompt is None or self.cfg.agent.enabled:  # an agent's later turns index rows
                     raise
                 raise ModelLoadError(f"sample {samples[prompt].uid!r}: {e}") from None
 

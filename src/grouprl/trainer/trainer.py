@@ -1,7 +1,8 @@
-"""The training loop, top to bottom: each step collects a batch (draw B prompts, n samples each,
-generate, score) and learns from it (advantages, ppo_epochs x mini-batches x micro-batches,
-AdamW, the weight push); evaluation, logs and checkpoints around it. The parts come from
-setup.py, the two halves of a step from step.py, evaluation from evaluation.py.
+"""The training loop, top to bottom (`Trainer.fit`, then `train_step`): each step collects a
+batch (draw B prompts, n samples each, generate, score) and learns from it (advantages,
+ppo_epochs x mini-batches x micro-batches, AdamW, the weight push); then its logs, evaluation and
+checkpoint. The parts come from setup.py (grouped by stage, parts.py), the step's halves from
+step.py (collect) and learner.py (learn), evaluation from evaluation.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from grouprl.trainer.metric_parts import merge
 from grouprl.trainer.pipeline import RolloutPipeline
 from grouprl.trainer.setup import build
 from grouprl.trainer.step import Collector, reduce_step_metrics
-from grouprl.trainer.step_batch import NOT_LEARNED, StepBatch
+from grouprl.trainer.step_batch import NOT_LEARNED, Learned, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,15 @@ def resume_when(e: RewardUnavailableError) -> str:
 class Trainer:
     def __init__(self, cfg: Config):
         PeakMeter.reset_host()  # the start-up phase's peak: a CPU's from here, CUDA's since the process began
-        # the run's parts, held here only (trainer.parts.<part>; cfg and ranks also as properties)
+        # the run's parts, held here only (trainer.parts.<part>, a stage's as trainer.parts.collect.<part>, ...;
+        # cfg and ranks also as properties)
         self.parts = parts = build(cfg)  # a mistake in the data, rewards or settings fails here, one line
         cfg = parts.cfg  # what depends on the devices settled (memory.plan_run)
         # each phase's measured peak (perf/peak_gb/<phase>): start-up's logged with the first step
         self._startup_peak: dict[str, float] = parts.meter.measure("startup")
-        self.collector = Collector(cfg, parts)  # a step's first half: its batch
-        self.learner = Learner(cfg, parts)  # its second half: the update
-        self.evaluator = Evaluator(cfg, parts, self.collector)
+        self.collector = Collector(cfg, parts.collect)  # a step's first half: its batch
+        self.learner = Learner(cfg, parts.learn)  # its second half: the update
+        self.evaluator = Evaluator(cfg, parts.evaluate, self.collector)
         self.checkpoints = CheckpointManager(parts.run_dir, cfg.trainer.keep_last, barrier=parts.ranks.barrier)
         self.step = 0
         self._groups: list[int] = []  # this rank's groups of the last step (their places in the batch)
@@ -93,20 +95,240 @@ class Trainer:
 
     @property
     def cfg(self) -> Config:
-        """The run's settings, `auto` ones made concrete for the devices (setup.Parts.cfg); the
+        """The run's settings, `auto` ones made concrete for the devices (parts.Parts.cfg); the
         run's other parts are `self.parts`."""
         return self.parts.cfg
 
     @property
     def ranks(self):
-        """This process's place among the run's ranks (setup.Parts.ranks)."""
+        """This process's place among the run's ranks (parts.Parts.ranks)."""
         return self.parts.ranks
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train: a baseline evaluation (trainer.val_before_train), then step after step until
+        trainer.total_steps or the time limit, each step's phases in order (collect, learn, log,
+        evaluate, checkpoint), then the last evaluation, checkpoint and export. The summary."""
+        c = self.cfg.trainer
+        logs = self._open_logs()
+        try:
+            self._sweep_once()  # before the baseline evaluation, which may write best/
+            if c.val_before_train and self.step == 0 and self.parts.evaluate.samples:
+                val = self._evaluate_and_keep_best(logs)
+                logs.say(f"baseline eval: {_fmt(val)}")
+                logs.log(val, self.step)
+            started = time.perf_counter()  # max_time_minutes counts training, not the baseline
+            while self.step < self.parts.total_steps and not self._out_of_time(started, logs.say):
+                # collect (draw B prompts, roll out n samples of each, score them), then learn
+                # (advantages, the update, the weight push): the step's metrics and trajectories
+                metrics, trajectories, advantages = self.train_step()
+                if c.log_rollouts:  # log: each trajectory, with its advantage (rollouts.jsonl)
+                    logs.rollouts(self, trajectories, advantages)
+                if self._evaluation_due():  # evaluate: the held-out metrics join the step's
+                    metrics = merge(metrics, self._evaluate_and_keep_best(logs))
+                logs.log(metrics, self.step)  # log: the step's metrics (metrics.jsonl, console, ...)
+                if c.save_freq and self.step % c.save_freq == 0:  # checkpoint
+                    self.save_checkpoint()
+            self._end_of_training(logs)
+        except KeyboardInterrupt:
+            self._interrupted(logs.say)
+            raise
+        finally:
+            self._close(logs)
+        return self._finish(logs.say)
+
+    def train_step(self) -> tuple[dict[str, float], list[Trajectory], tuple[float, ...]]:
+        """One step's two halves in order: collect its batch (draw B prompts, roll out n samples
+        of each, score them: step.Collector), learn from it (advantages, the update, the weight
+        push: learner.Learner). Returns the step's metrics (one value each over the ranks), this
+        rank's trajectories and their advantages."""
+        self._open_step()  # the state an interrupt from here saves; generation ahead started
+        batch, peaks, waited = self._collect()  # collect: this rank's groups, scored (a StepBatch)
+        learned = self._learn(batch)  # learn: the update and the push (what it measured)
+        self.step += 1
+        if self.pipeline is not None:  # generation ahead: the batches that sample from these weights may start
+            self.pipeline.publish(self.step, self.parts.learn.model)
+        metrics = merge(batch.metrics, peaks, learned.metrics, self._step_time(batch, waited))
+        metrics = reduce_step_metrics(metrics, self.ranks)
+        self._close_step(batch, learned)  # counters, the reference's refresh, the state an interrupt saves
+        return metrics, batch.real_trajectories, learned.advantages
+
+    # ------------------------------------------------------------------ a step's parts, in order
+    def _open_step(self) -> None:
+        """Before a step: the sweep of writes a killed run left unfinished (once), generation
+        ahead of the update started (asynchronous runs, at their first step), and the state a
+        checkpoint taken before this step's update restores (see _interrupted)."""
+        self._sweep_once()
+        if self.parts.ahead is not None and self.pipeline is None:
+            self._start_pipeline()
+        self._pre_step_state = self._trainer_state()
+
+    def _collect(self) -> tuple[StepBatch, dict[str, float], float]:
+        """The step's batch, collected now or taken from generation ahead; the generation phase's
+        memory peak (synchronous runs: asynchronous ones generate beside the update, whose peak
+        is the one; start-up's comes with the first step); and the seconds it took to come."""
+        waited = time.perf_counter()
+        meter = self.parts.meter if self.pipeline is None else None
+        if meter is not None:
+            meter.start()
+        batch = self._batch()
+        waited = time.perf_counter() - waited
+        peaks = {**(meter.measure("generation") if meter is not None else {}), **self._startup_peak}
+        self._startup_peak = {}
+        return batch, peaks, waited
+
+    def _learn(self, batch: StepBatch) -> Learned:
+        """The update on the batch, and the push; none where every group was dropped (judge
+        failures, on every rank alike)."""
+        if not batch.groups:
+            log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
+            return NOT_LEARNED
+        return self.learner.learn(batch)
+
+    def _close_step(self, batch: StepBatch, learned: Learned) -> None:
+        """After a step: the run's counters (the same on every rank), the reference's refresh
+        (algorithm.ref_refresh_steps), and the state an interrupt from here on (evaluating,
+        logging, saving) saves: this step's, with this step's weights."""
+        self._groups = batch.places
+        self.counters["dropped_groups"] += batch.dropped_groups
+        self.counters["steps_without_update"] += int(not batch.groups)
+        self.counters["skipped_steps"] += learned.skipped_steps  # the same on every rank
+        self.counters["reward_errors"] += int(self.ranks.reduce([float(batch.reward_errors)])[0])  # every rank's
+        refresh = self.cfg.algorithm.ref_refresh_steps
+        if refresh and self.step % refresh == 0:
+            self.parts.learn.reference.refresh(self.parts.learn.model)
+        self._pre_step_state = self._trainer_state()
+
+    def _step_time(self, batch: StepBatch, waited: float) -> dict[str, float]:
+        """time/step: from the batch's start to now, the update and its push done; asynchronous
+        runs generate beside the update, so theirs is step to step (and time/wait_batch the
+        time the update waited for its batch)."""
+        now = time.perf_counter()
+        if self.pipeline is None:
+            return {"time/step": now - batch.started}
+        since, self._step_clock = self._step_clock, now
+        return {"time/step": now - since, "time/wait_batch": waited}
+
+    def _batch(self) -> StepBatch:
+        """This step's batch; a judge that stopped answering (on every rank alike) or an engine
+        process that ended stops the run after saving the last finished step (this one is redone
+        on resume). An engine process is one rank's: with several ranks the others are not there
+        to save with, and the last periodic checkpoint stands."""
+        try:
+            if self.pipeline is not None:
+                return self.pipeline.take(self.step)
+            return self.collector.collect(self.step)
+        except (RewardUnavailableError, EngineProcessEnded) as e:
+            pre = self._pre_step_state
+            once = e.resume if isinstance(e, EngineProcessEnded) else resume_when(e)
+            if isinstance(e, EngineProcessEnded) and self.parts.ranks.distributed:
+                raise
+            if pre is not None and pre["step"] > 0:
+                path = self.save_checkpoint(pre)
+                raise type(e)(f"{e}; saved {path}: run the same command to resume {once}") from None
+            raise type(e)(f"{e}; nothing trained yet to save") from None
+
+    def _sweep_once(self) -> None:
+        """Before this process writes anything (fit's start, or a first step run on its own): the
+        temp folders of writes a killed run left unfinished go, removed by the first rank while
+        the others wait (no rank writes before the sweep is done)."""
+        if not self.checkpoints.swept:
+            self.checkpoints.sweep((self.parts.run_dir / "final", self.parts.run_dir / "best"), remove=self.parts.ranks.main)
+            self.parts.ranks.barrier()
+
+    def _start_pipeline(self) -> None:
+        """Generation ahead of the update, from this step on (a resumed run's batches again)."""
+        self.pipeline = RolloutPipeline(
+            self.cfg, self.parts.collect, self.parts.ahead, self.step, self.parts.total_steps, snapshots=self._ahead_weights
+        )
+        self.pipeline.start(self.step, self.parts.learn.model)
+        self._ahead_weights = {}  # the pipeline holds them now
+        self._step_clock = time.perf_counter()
+
+    def close_pipeline(self) -> None:
+        """Stop generating ahead (fit does it when it ends)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    def _out_of_time(self, started: float, say) -> bool:
+        """trainer.max_time_minutes of training reached (said once, as the loop stops)."""
+        limit = self.cfg.trainer.max_time_minutes
+        if not limit or time.perf_counter() - started <= limit * 60:
+            return False
+        say(f"time limit of {limit:g} min reached at step {self.step} (training time; the baseline evaluation is not counted)")
+        return True
+
+    def _evaluation_due(self) -> bool:
+        """Every trainer.test_freq steps, with held-out data; not after the last step (fit's
+        end evaluates that one)."""
+        freq = self.cfg.trainer.test_freq
+        return bool(freq) and self.step % freq == 0 and self.step < self.parts.total_steps and bool(self.parts.evaluate.samples)
+
+    def _end_of_training(self, logs: _Logs) -> None:
+        """The last step's evaluation (unless it had one), the last checkpoint (trainer.save_last)
+        and the final export (trainer.save_final)."""
+        c = self.cfg.trainer
+        if self.parts.evaluate.samples and (not self.history or self.history[-1]["step"] != self.step):
+            logs.log(self._evaluate_and_keep_best(logs), self.step)
+        if c.save_last:
+            self.save_checkpoint()
+        if c.save_final:
+            self._export(self.parts.run_dir / "final", merge_lora=True, meta={"step": self.step})
+
+    def _close(self, logs: _Logs) -> None:
+        """What the run holds open: generation ahead, the logs, streamed scoring (closed for
+        good: a later step scores after generating) and the rewards' clients."""
+        self.close_pipeline()
+        logs.close()
+        self.collector.stop_streaming()
+        self.parts.collect.reward.close()
+
+    # ------------------------------------------------------------------ evaluation and exports
+    def evaluate(self, answers: Path | None = None, progress: Progress | None = None) -> dict[str, float]:
+        """The held-out metrics of the current weights (evaluation.Evaluator), kept in `history`;
+        `answers`: a folder for answers.jsonl and metrics.json."""
+        out = self.evaluator.evaluate(self.step, answers=answers, progress=progress)
+        if out:
+            self.history.append({"step": self.step, **out})
+        return out
+
+    def _evaluate_and_keep_best(self, logs: _Logs) -> dict[str, float]:
+        try:
+            val = self.evaluate(progress=logs.progress)
+        except RewardUnavailableError as e:  # the steps trained so far are kept
+            if self.step == 0:
+                raise type(e)(f"{e}; nothing trained yet to save") from None
+            path = self.save_checkpoint()
+            raise type(e)(f"{e}; saved {path}: run the same command to resume {resume_when(e)}") from None
+        self._maybe_save_best(val)
+        return val
+
+    def _maybe_save_best(self, val: dict[str, float]) -> None:
+        if not self.cfg.trainer.save_best or "val/accuracy" not in val:
+            return
+        if val["val/accuracy"] > self.best_metric:
+            self.best_metric = val["val/accuracy"]
+            self._export(self.parts.run_dir / "best", merge_lora=False, meta={"step": self.step, **val})
+
+    def _export(self, target: Path, *, merge_lora: bool, meta: dict) -> None:
+        """A Hugging Face folder of the policy, written once, by rank 0 (sharded: gathered a
+        layer at a time, every rank taking part)."""
+        export_model(
+            self.parts.learn.policy,
+            self.parts.tokenizer,
+            target,
+            merge_lora=merge_lora,
+            meta=meta,
+            processor=self.parts.vision,
+            write=self.parts.ranks.main,
+        )
+        self.parts.ranks.barrier()
 
     # ------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
         state = {
             "step": self.step,
-            "sampler": self.parts.sampler.state_dict(),
+            "sampler": self.parts.collect.sampler.state_dict(),
             "rng": rng_state(),
             "history": list(self.history),  # copies: a snapshot taken before a step stays as it was
             "best_metric": self.best_metric,
@@ -129,30 +351,32 @@ class Trainer:
         path = Path(t.resume_from_path) if t.resume_mode == "path" else self.checkpoints.latest()
         if path is None:
             return
-        ref = self.parts.reference.frozen_model
+        learn = self.parts.learn
         with self._parked_present():  # loaded where they live during the update, parked after
-            state = CheckpointManager.load(path, self.parts.policy, self.parts.optimizer, self.parts.scheduler, ref_model=ref)
+            state = CheckpointManager.load(
+                path, learn.policy, learn.optimizer, learn.scheduler, ref_model=learn.reference.frozen_model
+            )
         self.step = state["step"]
-        self.parts.sampler.load_state_dict(state["sampler"])
+        self.parts.collect.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         self.history = state["history"]
         self.best_metric = state["best_metric"]
         self.counters = state["counters"]
         self._ahead_weights = {int(v): w for v, w in state.get("ahead_weights", {}).items()}
-        self.parts.engine.weights_updated(self.parts.model)
+        learn.engine.weights_updated(learn.model)
         log.info("resumed from %s at step %d", path, self.step)
 
     def save_checkpoint(self, trainer_state: dict | None = None) -> Path:
-        ref = self.parts.reference.frozen_model
+        learn = self.parts.learn
         state = trainer_state or self._trainer_state()
         with self._parked_present():  # saved as the update sees them (sharded saves gather on the device)
             path = self.checkpoints.save(
                 state["step"],
-                self.parts.policy,
-                self.parts.optimizer,
-                self.parts.scheduler,
+                learn.policy,
+                learn.optimizer,
+                learn.scheduler,
                 state,
-                ref_model=ref,
+                ref_model=learn.reference.frozen_model,
                 write=self.parts.ranks.main,
             )
         self.parts.ranks.barrier()  # no rank goes on (or resumes) before the checkpoint is complete
@@ -163,184 +387,10 @@ class Trainer:
         """For a save or load: the reference and the optimizer state on the device inside (they
         live in host memory between their uses with actor.reference_offload / optimizer_offload,
         their tensors empty on the device)."""
-        with self.parts.reference.present(), self.parts.optimizer_parked.present():
+        with self.parts.learn.reference.present(), self.parts.learn.optimizer_parked.present():
             yield
 
-    # ------------------------------------------------------------------ one step
-    def train_step(self) -> tuple[dict[str, float], list[Trajectory], tuple[float, ...]]:
-        """collect, then learn; the step's metrics (one value each over the ranks), this rank's
-        trajectories and their advantages."""
-        p = self.parts
-        self._sweep_once()
-        if p.ahead is not None and self.pipeline is None:
-            self._start_pipeline()
-        # what a checkpoint taken before this step's update must restore (see fit's interrupt path)
-        self._pre_step_state = self._trainer_state()
-        waited = time.perf_counter()
-        if self.pipeline is None:  # asynchronous runs generate beside the update: one peak, the update's
-            p.meter.start()
-        batch = self._collect()
-        waited = time.perf_counter() - waited
-        peaks = {**(p.meter.measure("generation") if self.pipeline is None else {}), **self._startup_peak}
-        self._startup_peak = {}
-        self._groups = batch.places
-        self.counters["dropped_groups"] += batch.dropped_groups
-        learned = NOT_LEARNED
-        if not batch.groups:  # every group dropped (judge failures), on every rank alike
-            log.warning("step %d: every group was dropped (judge failures); no update", self.step + 1)
-            self.counters["steps_without_update"] += 1
-        else:
-            learned = self.learner.learn(batch)
-        self.step += 1
-        if self.pipeline is not None:  # the batches that sample from these weights may start
-            self.pipeline.publish(self.step, p.model)
-        metrics = reduce_step_metrics(merge(batch.metrics, peaks, learned.metrics, self._step_time(batch, waited)), p.ranks)
-        self.counters["skipped_steps"] += learned.skipped_steps  # the same on every rank
-        self.counters["reward_errors"] += int(p.ranks.reduce([float(batch.reward_errors)])[0])  # every rank's
-        refresh = self.cfg.algorithm.ref_refresh_steps
-        if refresh and self.step % refresh == 0:
-            p.reference.refresh(p.model)
-        # the step is complete: an interrupt from here on (evaluation, logging, saving) must save
-        # this step's state with this step's weights, not the state from before it
-        self._pre_step_state = self._trainer_state()
-        return metrics, batch.real_trajectories, learned.advantages
-
-    def _step_time(self, batch: StepBatch, waited: float) -> dict[str, float]:
-        """time/step: from the batch's start to now, the update and its push done; asynchronous
-        runs generate beside the update, so theirs is step to step (and time/wait_batch the
-        time the update waited for its batch)."""
-        now = time.perf_counter()
-        if self.pipeline is None:
-            return {"time/step": now - batch.started}
-        since, self._step_clock = self._step_clock, now
-        return {"time/step": now - since, "time/wait_batch": waited}
-
-    def _sweep_once(self) -> None:
-        """Before this process writes anything (fit's start, or a first step run on its own): the
-        temp folders of writes a killed run left unfinished go, removed by the first rank while
-        the others wait (no rank writes before the sweep is done)."""
-        if not self.checkpoints.swept:
-            self.checkpoints.sweep((self.parts.run_dir / "final", self.parts.run_dir / "best"), remove=self.parts.ranks.main)
-            self.parts.ranks.barrier()
-
-    def _start_pipeline(self) -> None:
-        """Generation ahead of the update, from this step on (a resumed run's batches again)."""
-        self.pipeline = RolloutPipeline(
-            self.cfg, self.parts, self.step, self.parts.total_steps, snapshots=self._ahead_weights
-        )
-        self.pipeline.start(self.step, self.parts.model)
-        self._ahead_weights = {}  # the pipeline holds them now
-        self._step_clock = time.perf_counter()
-
-    def close_pipeline(self) -> None:
-        """Stop generating ahead (fit does it when it ends)."""
-        if self.pipeline is not None:
-            self.pipeline.close()
-
-    def _collect(self) -> StepBatch:
-        """This step's batch; a judge that stopped answering (on every rank alike) or an engine
-        process that ended stops the run after saving the last finished step (this one is redone
-        on resume). An engine process is one rank's: with several ranks the others are not there
-        to save with, and the last periodic checkpoint stands."""
-        try:
-            if self.pipeline is not None:
-                return self.pipeline.take(self.step)
-            return self.collector.collect(self.step)
-        except (RewardUnavailableError, EngineProcessEnded) as e:
-            pre = self._pre_step_state
-            once = e.resume if isinstance(e, EngineProcessEnded) else resume_when(e)
-            if isinstance(e, EngineProcessEnded) and self.parts.ranks.distributed:
-                raise
-            if pre is not None and pre["step"] > 0:
-                path = self.save_checkpoint(pre)
-                raise type(e)(f"{e}; saved {path}: run the same command to resume {once}") from None
-            raise type(e)(f"{e}; nothing trained yet to save") from None
-
-    # ------------------------------------------------------------------ evaluation and exports
-    def evaluate(self, answers: Path | None = None, progress: Progress | None = None) -> dict[str, float]:
-        """The held-out metrics of the current weights (evaluation.Evaluator), kept in `history`;
-        `answers`: a folder for answers.jsonl and metrics.json."""
-        out = self.evaluator.evaluate(self.step, answers=answers, progress=progress)
-        if out:
-            self.history.append({"step": self.step, **out})
-        return out
-
-    def _maybe_save_best(self, val: dict[str, float]) -> None:
-        if not self.cfg.trainer.save_best or "val/accuracy" not in val:
-            return
-        if val["val/accuracy"] > self.best_metric:
-            self.best_metric = val["val/accuracy"]
-            self._export(self.parts.run_dir / "best", merge_lora=False, meta={"step": self.step, **val})
-
-    def _export(self, target: Path, *, merge_lora: bool, meta: dict) -> None:
-        """A Hugging Face folder of the policy, written once, by rank 0 (sharded: gathered a
-        layer at a time, every rank taking part)."""
-        export_model(
-            self.parts.policy,
-            self.parts.tokenizer,
-            target,
-            merge_lora=merge_lora,
-            meta=meta,
-            processor=self.parts.vision,
-            write=self.parts.ranks.main,
-        )
-        self.parts.ranks.barrier()
-
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict:
-        c = self.cfg.trainer
-        logs = self._open_logs()
-        try:
-            self._sweep_once()  # before the baseline evaluation, which may write best/
-            if c.val_before_train and self.step == 0 and self.parts.val_samples:
-                val = self._evaluate_and_keep_best(logs)
-                logs.say(f"baseline eval: {_fmt(val)}")
-                logs.log(val, self.step)
-            started = time.perf_counter()  # max_time_minutes counts training, not the baseline
-            while self.step < self.parts.total_steps:
-                if c.max_time_minutes and time.perf_counter() - started > c.max_time_minutes * 60:
-                    logs.say(
-                        f"time limit of {c.max_time_minutes:g} min reached at step {self.step} "
-                        "(training time; the baseline evaluation is not counted)"
-                    )
-                    break
-                metrics, trajectories, advantages = self.train_step()
-                if c.log_rollouts:
-                    logs.rollouts(self, trajectories, advantages)
-                if c.test_freq and self.step % c.test_freq == 0 and self.step < self.parts.total_steps and self.parts.val_samples:
-                    metrics = merge(metrics, self._evaluate_and_keep_best(logs))
-                logs.log(metrics, self.step)
-                if c.save_freq and self.step % c.save_freq == 0:
-                    self.save_checkpoint()
-            if self.parts.val_samples and (not self.history or self.history[-1]["step"] != self.step):
-                logs.log(self._evaluate_and_keep_best(logs), self.step)
-            if c.save_last:
-                self.save_checkpoint()
-            if c.save_final:
-                self._export(self.parts.run_dir / "final", merge_lora=True, meta={"step": self.step})
-        except KeyboardInterrupt:
-            self._interrupted(logs.say)
-            raise
-        finally:
-            self.close_pipeline()
-            logs.close()
-            if self.parts.streaming is not None:  # closed for good: a later step scores after generating
-                self.parts.streaming.close()
-                self.parts.streaming = None
-            self.parts.reward.close()
-        return self._finish(logs.say)
-
-    def _evaluate_and_keep_best(self, logs: _Logs) -> dict[str, float]:
-        try:
-            val = self.evaluate(progress=logs.progress)
-        except RewardUnavailableError as e:  # the steps trained so far are kept
-            if self.step == 0:
-                raise type(e)(f"{e}; nothing trained yet to save") from None
-            path = self.save_checkpoint()
-            raise type(e)(f"{e}; saved {path}: run the same command to resume {resume_when(e)}") from None
-        self._maybe_save_best(val)
-        return val
-
+    # ------------------------------------------------------------------ logs and the run's end
     def _open_logs(self) -> _Logs:
         """The run folder's logs; lines a crashed run wrote after its last checkpoint are dropped
         (the resumed run redoes them; resume_mode=disable starts them afresh). With several
