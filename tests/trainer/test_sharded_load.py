@@ -4,17 +4,21 @@ safetensors files. On two ranks (torch.multiprocessing, gloo) the sharded policy
 is what one process loads (a tied head, an untied one, LoRA adapters drawn from the seed, a VLM's
 tower under transformers' renamed keys and its rotary tables), each rank read about half the
 model's bytes, and a whole copy (the generation copy of asynchronous runs) reads every byte once.
-A checkpoint that is not safetensors loads the old way: rank 0 reads it and broadcasts it."""
+A checkpoint that is not safetensors loads the old way: rank 0 reads it and broadcasts it. A
+rank's start-up holds its shards and no whole root: FSDP's root is set up without gathering the
+embeddings (which a first forward through the root would, with its buffer: twice their size)."""
 
 import pytest
 import torch
 from test_sharded_push import on_two_ranks
+from transformers import AutoModelForCausalLM
 
 from grouprl.config import LoraConfig, ModelConfig
+from grouprl.trainer.memory import GIB, PeakMeter
 from grouprl.trainer.models import load_causal_lm
 from grouprl.trainer.parallel import load_into, shard, whole_state_dict
 from grouprl.trainer.slices import Checkpoint, seed_adapters
-from helpers import tiny_model_and_tokenizer
+from helpers import tiny_config, tiny_model_and_tokenizer
 
 CPU = torch.device("cpu")
 KINDS = ("tied", "untied", "lora", "qwen2_vl", "bin")
@@ -33,7 +37,10 @@ def loaded_here(folder, kind: str):
 
 def load_on_rank(rank: int, folders: dict[str, str]) -> None:
     for kind, folder in folders.items():  # one pair of ranks for every kind (a start costs seconds)
-        load_kind_on_rank(rank, folder, kind)
+        if kind == "wide":
+            shard_peak_on_rank(rank, folder)
+        else:
+            load_kind_on_rank(rank, folder, kind)
 
 
 def load_kind_on_rank(rank: int, folder: str, kind: str) -> None:
@@ -77,7 +84,15 @@ def test_each_rank_reads_its_slices_and_gets_the_files_weights(tmp_path):
     from vision_helpers import tiny_vlm
 
     folders = {kind: str(tmp_path / kind) for kind in KINDS}
+    # shard_peak_on_rank's: an embedding of 64 MiB (65,536 x 256, float32, tied to the head), two small layers
+    folders["wide"] = str(tmp_path / "wide")
+    config = tiny_config(vocab_size=65536, hidden_size=256, intermediate_size=512, num_attention_heads=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folders["wide"])
     for kind, folder in folders.items():
+        if kind == "wide":
+            continue
         if kind == "qwen2_vl":
             tiny_vlm("qwen2_vl", folder, seed=3)
         else:
@@ -86,6 +101,41 @@ def test_each_rank_reads_its_slices_and_gets_the_files_weights(tmp_path):
                 torch.save(model.state_dict(), tmp_path / kind / "pytorch_model.bin")
                 (tmp_path / kind / "model.safetensors").unlink()
     on_two_ranks(load_on_rank, folders)
+
+
+def shard_peak_on_rank(rank: int, folder: str) -> None:
+    """The resident set's rise over shard() with a checkpoint read in slices: this rank's shards
+    (about half the model) and no more; the old first forward through the root (the fallback for a
+    torch without FSDP's lazy initialisation) adds the whole embedding and its all-gather buffer,
+    which the same meter sees."""
+    import torch.distributed as dist
+
+    from grouprl.trainer import parallel
+
+    lazy_init, rises = parallel.fsdp_lazy_init, {}
+    for way in ("lazy", "forward"):
+        model = load_causal_lm(ModelConfig(path=folder), folder, CPU, torch.float32, weights=False)
+        source = Checkpoint.of(model, folder, 0)
+        meter = PeakMeter(CPU)
+        if way == "forward":  # a torch whose FSDP has no lazy initialisation to call
+            parallel.fsdp_lazy_init = lambda policy: None
+        dist.barrier()
+        meter.start()
+        before = meter.read()["peak"]
+        try:
+            policy = shard(model, source=source, device=CPU)
+        finally:
+            parallel.fsdp_lazy_init = lazy_init
+        rises[way] = (meter.read()["peak"] - before) * GIB
+        embedding = model.get_input_embeddings().weight
+        local = {id(p): p.to_local() for p in policy.parameters()}.values()
+        shards = sum(t.numel() * t.element_size() for t in local)
+        whole_embedding = embedding.numel() * embedding.element_size()
+        assert 0.45 * 4 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()) < shards
+        del policy, model, source
+    # the lazy way: the shards (a third of the root's size to spare); the forward: 2 x the root more
+    assert rises["lazy"] < shards + whole_embedding / 3, (rises, shards, whole_embedding)
+    assert rises["forward"] > shards + 1.5 * whole_embedding, (rises, shards, whole_embedding)
 
 
 def test_lora_adapters_come_from_the_seed_alone(tmp_path):

@@ -4,7 +4,7 @@ count its parameters; no weight is read), before anything loads.
 
 Phases, per rank (every rank holds the same, so one is planned):
 - start-up: what loading materialises before the engine starts: one process loads the whole
-  model; on several ranks each rank makes only its shards, filled from rank 0's host copy;
+  model; on several ranks each rank reads only its shards' slices of the checkpoint;
 - generation: the rollout engine (vLLM's share of the device, or the built-in engine's KV cache
   and logits) beside what the trainer keeps resident meanwhile (its weights, the optimizer's
   state, the reference, the copy that generates ahead; the reference and the optimizer's state

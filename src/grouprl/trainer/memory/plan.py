@@ -287,7 +287,10 @@ class _Sizes:
         parts = startup.parts
         if self.world > 1:
             # each rank reads only its shards' slices of the checkpoint (slices.py), straight to
-            # where they live, a tensor at a time
+            # where they live, a tensor at a time, through a buffer of the slice where it lives on
+            # the device or in another dtype (on a CPU in the file's dtype the read lands in the
+            # shard itself: the slice is then a margin). FSDP's root is set up without gathering
+            # its weights (parallel.init_root): nothing is whole
             parts["policy shard (offloaded to host)" if self.offloaded else "policy shard"] = self.weights_here
             largest = max(shape.vocab, shape.intermediate) * shape.hidden * param_bytes * gb
             parts["one tensor's slice in flight"] = largest / self.shards
