@@ -47,9 +47,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "RESULT "
 SEED = 7
-FILLER = "Let me think about which page could hold the answer before I search for it. " * 8
+FILLER = "Let me think about which page could hold the answer before I search for it. " * 20
 SENTENCE = "The page lists the figures, the dates and the places that the question asks about. "
-SHAPE = {"max_filler": 44, "sentences": 1}  # the child's: --max-filler, --sentences
+SHAPES = {  # --shape: a turn's filler (log-normal median, sigma, cap) and its token limit
+    "short": {"median": 6, "sigma": 1.2, "max_filler": 44, "max_new_tokens": 64},
+    "long": {"median": 24, "sigma": 1.2, "max_filler": 240, "max_new_tokens": 256},
+}
+SHAPE = {**SHAPES["short"], "sentences": 1}  # the child's: --shape, --sentences
 
 
 # ------------------------------------------------------------------ the script and the service
@@ -58,8 +62,9 @@ def searches(row: int) -> int:
 
 
 def filler_tokens(key: str) -> int:
-    """Seeded, long-tailed: 2 to --max-filler tokens, median 6 (log-normal, sigma 1.2)."""
-    return min(SHAPE["max_filler"], max(2, round(math.exp(random.Random(f"{SEED}-len-{key}").gauss(math.log(6), 1.2)))))
+    """Seeded, long-tailed: 2 to the shape's cap, log-normal (short: median 6, long: 24; sigma 1.2)."""
+    draw = random.Random(f"{SEED}-len-{key}").gauss(math.log(SHAPE["median"]), SHAPE["sigma"])
+    return min(SHAPE["max_filler"], max(2, round(math.exp(draw))))
 
 
 def latency(row: int, turn: int, profile: str) -> float:
@@ -225,10 +230,49 @@ def force_vllm(tokenizer, n: int) -> None:
 
 
 # ------------------------------------------------------------------ one engine, in a child
+def flat_model(path: str, tokenizer) -> str:
+    """SmolLM2's layout (30 layers, its vocabulary and tokenizer) at width 64, random weights
+    (the turns are scripted, so what it would sample does not matter): a decode step costs about
+    the same whatever its rows, as a 7B's does on a GPU until the batch is large. Saved once."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(tempfile.gettempdir()) / "grouprl-agent-schedule-flat"
+    if not (folder / "config.json").exists():
+        config = AutoConfig.from_pretrained(path)
+        config.update(dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+        import torch
+
+        torch.manual_seed(SEED)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def step_costs(model, context: int = 300) -> dict[str, float]:
+    """A decode step's milliseconds at 1 and 16 rows over `context` cached tokens (median of 10)."""
+    import torch
+    from transformers import DynamicCache
+
+    costs = {}
+    with torch.no_grad():
+        for rows in (1, 16):
+            cache, ids = DynamicCache(), torch.randint(100, 1000, (rows, context))
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times = []
+            for k in range(10):
+                start = time.perf_counter()
+                model(input_ids=ids[:, :1], position_ids=torch.full((rows, 1), context + k), past_key_values=cache, use_cache=True)
+                times.append(time.perf_counter() - start)
+            costs[str(rows)] = 1000 * statistics.median(times)
+    return costs
+
+
 def child(args) -> None:
     import torch
 
-    from grouprl.config import AgentConfig, ModelConfig, RolloutConfig
+    from grouprl.config import AgentConfig, AgentRetrieverConfig, ModelConfig, RolloutConfig
     from grouprl.data.sample import Sample
     from grouprl.retriever.client import RetrievalClient
     from grouprl.rollout.agent import AgentLoop
@@ -237,24 +281,27 @@ def child(args) -> None:
     from grouprl.rollout.tools.search import SearchTool
     from grouprl.trainer.models import load_causal_lm, load_tokenizer, resolve_model_path
 
-    SHAPE.update(max_filler=args.max_filler, sentences=args.sentences)
+    SHAPE.update(**SHAPES[args.shape], sentences=args.sentences)
     path = resolve_model_path(ModelConfig(path="builtin:smollm2-135m-instruct"))
     tokenizer = load_tokenizer(ModelConfig(path=path), path)
+    if args.model == "flat":
+        path = flat_model(path, tokenizer)
     model = load_causal_lm(ModelConfig(path=path), path, torch.device("cpu"), torch.float32).eval()
     (force_hf if args.child == "hf" else force_vllm)(tokenizer, args.n)
     rollout = RolloutConfig(engine=args.child, kv_cache_gb=1, max_model_len=2048)
     engine = build_engine(rollout, model, tokenizer, model_path=path, dtype=torch.float32)
     samples = [Sample(uid=f"q-{g}", messages=[{"role": "user", "content": f"This is question {g}: in which year "
                f"was the bridge on page {g} opened?"}]) for g in range(args.prompts)]  # fmt: skip
-    params = SamplingParams(max_new_tokens=64, temperature=0.8)
-    out = {}
+    params = SamplingParams(max_new_tokens=SHAPE["max_new_tokens"], temperature=0.8)
+    out = {"step_ms": step_costs(model)} if args.child == "hf" else {}
     for profile in args.latencies:
         service = Service(profile)
         loops = {}
         for schedule in ("turn", "trajectory"):
             cfg = AgentConfig(enabled=True, schedule=schedule, max_turns=4, tools=["search"], answer_generator="none",
                               max_observation_tokens=256)  # fmt: skip
-            tool = RowTagged(SearchTool(RetrievalClient(service.url), top_k=1), args.n)
+            search = SearchTool(RetrievalClient(service.url), top_k=1, max_in_flight=AgentRetrieverConfig().max_in_flight)
+            tool = RowTagged(search, args.n)
             loops[schedule] = AgentLoop(engine, tokenizer, {"search": tool}, cfg)
         prompts = loops["turn"].encode_prompts(samples)
         runs: dict[str, list[dict]] = {"turn": [], "trajectory": []}
@@ -282,7 +329,7 @@ def child(args) -> None:
 def run_child(engine: str, args) -> dict:
     python = args.hf_python if engine == "hf" else args.vllm_python
     command = [python, str(Path(__file__).resolve()), "--child", engine, "--rounds", str(args.rounds),
-               "--prompts", str(args.prompts), "--n", str(args.n), "--max-filler", str(args.max_filler),
+               "--prompts", str(args.prompts), "--n", str(args.n), "--shape", args.shape, "--model", args.model,
                "--sentences", str(args.sentences), "--latencies", *args.latencies]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
@@ -296,7 +343,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     p.add_argument("--latencies", nargs="+", default=["tail", "instant"], choices=["tail", "lognormal", "instant"])
-    p.add_argument("--max-filler", type=int, default=44, help="a turn's filler tokens before its action: 2 to this")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "flat"],
+                   help="SmolLM2-135M, or its layout at width 64: a step's cost flat in its rows, as on a GPU")
+    p.add_argument("--shape", default="short", choices=sorted(SHAPES), help="turns of at most 64 tokens (short) or 256 (long)")
     p.add_argument("--sentences", type=int, default=1, help="a search result's text: this many sentences (~16 tokens each)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4)
@@ -311,10 +360,15 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    print(f"{args.prompts} prompts x {args.n} samples, at most 4 turns of 64 tokens (filler 2-{args.max_filler}), "
+    shape = SHAPES[args.shape]
+    print(f"{args.prompts} prompts x {args.n} samples, at most 4 turns of {shape['max_new_tokens']} tokens (filler "
+          f"2-{shape['max_filler']}, median {shape['median']}), "
           f"results of {args.sentences} sentence(s), float32, {args.rounds} rounds")  # fmt: skip
     for engine in args.engines:
         result = run_child(engine, args)
+        if "step_ms" in result:
+            cost = result["step_ms"]
+            print(f"{engine:>5} {args.model}: a decode step over 300 tokens {cost['1']:.0f} ms at 1 row, {cost['16']:.0f} ms at 16")
         for profile in args.latencies:
             res = result[profile]
             med = {s: {k: statistics.median(x[k] for x in res["runs"][s]) for k in ("wall", "engine", "tools")}

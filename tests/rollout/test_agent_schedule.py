@@ -11,6 +11,7 @@ between turns are taken only where no turn runs, and each turn records its versi
 """
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -192,6 +193,70 @@ def test_an_engine_failure_leaves_no_row_held(monkeypatch):
     with pytest.raises(RuntimeError, match="the engine broke"):
         clocked_run("trajectory", TURNS, LATENCY, fail_at_step=5)
     assert sessions[0].steps == 5 and sessions[0].held() == set()
+
+
+def _recording_sessions(monkeypatch) -> list:
+    sessions = []
+    real_open = ClockedEngine.open_session
+
+    def recording(self, *args, **kwargs):
+        sessions.append(real_open(self, *args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(ClockedEngine, "open_session", recording)
+    return sessions
+
+
+def test_the_engine_steps_and_groups_are_handed_over_on_the_calling_thread(monkeypatch):
+    """The trajectory schedule computes on the caller's thread (a CPU's thread team is the
+    computing thread's); the trajectories' event loop, with the tools, runs beside it."""
+    threads = {"step": set(), "group": set(), "tool": set()}
+    real_step, real_tool = ClockedSession.step, LatentSearch.__call__
+
+    def step(self):
+        threads["step"].add(threading.get_ident())
+        return real_step(self)
+
+    async def tool(self, argument, state):
+        threads["tool"].add(threading.get_ident())
+        return await real_tool(self, argument, state)
+
+    monkeypatch.setattr(ClockedSession, "step", step)
+    monkeypatch.setattr(LatentSearch, "__call__", tool)
+    before = threading.active_count()
+    clocked_run("trajectory", TURNS, LATENCY, on_group_done=lambda i, g: threads["group"].add(threading.get_ident()))
+    me = threading.get_ident()
+    assert threads["step"] == {me} and threads["group"] == {me}
+    assert len(threads["tool"]) == 1 and me not in threads["tool"]
+    assert threading.active_count() == before  # the loop's thread has ended
+
+
+def test_an_error_handing_a_group_over_stops_the_rollout_and_leaves_no_row_held(monkeypatch):
+    sessions = _recording_sessions(monkeypatch)
+
+    def broken(i, group):
+        raise ValueError("scoring broke")
+
+    with pytest.raises(ValueError, match="scoring broke"):
+        clocked_run("trajectory", TURNS, LATENCY, on_group_done=broken)
+    assert sessions[0].held() == set()
+
+
+def test_ctrl_c_during_a_step_stops_the_rollout_and_leaves_no_row_held(monkeypatch):
+    sessions = _recording_sessions(monkeypatch)
+    real_step = ClockedSession.step
+
+    def step(self):
+        if self.steps == 4:
+            self.steps += 1
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(ClockedSession, "step", step)
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt):
+        clocked_run("trajectory", TURNS, LATENCY)
+    assert sessions[0].held() == set() and threading.active_count() == before
 
 
 # ------------------------------------------------------------------ the built-in engine

@@ -133,6 +133,8 @@ class AgentRetrieverConfig:
     """Failed searches in a row after which the search tool reports the service as down."""
     timeout_s: float = 30.0
     """Per-request timeout of the HTTP search service, in seconds."""
+    max_in_flight: int = 8
+    """HTTP search requests in flight at once (searches that arrive together share one); a search waits for an earlier slow one only beyond this many."""
 
 
 @dataclass

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -73,7 +74,7 @@ from grouprl.rollout.agent_records import (
     question,
     turn_record,
 )
-from grouprl.rollout.agent_turns import Clock, TurnDriver
+from grouprl.rollout.agent_turns import CallerThread, Clock, TurnDriver
 from grouprl.rollout.answer import (
     AnswerGenerator,
     AnswerRequest,
@@ -147,11 +148,19 @@ class AgentLoop:
         trajectories, once, as soon as all of them are final (answer written), on the calling
         thread, while other groups may still be running; they are the objects returned at the
         end and are not changed after the call. `images[i]`: prompt i's processed images."""
-        return asyncio.run(self.arun(samples, prompts, n, params, generator, on_group_done, images))
+        if self.cfg.schedule != "trajectory":
+            return asyncio.run(self.arun(samples, prompts, n, params, generator, on_group_done, images))
+        # the engine steps on this thread (the one that computes), the trajectories' loop beside it
+        caller = CallerThread()
+        posted = None if on_group_done is None else functools.partial(caller.post, on_group_done)
+        run = lambda: self.arun(samples, prompts, n, params, generator, posted, images, caller=caller)  # noqa: E731
+        return caller.run(run, self.engine.device)
 
     async def arun(
-        self, samples, prompts, n, params, generator=None, on_group_done=None, images=None
+        self, samples, prompts, n, params, generator=None, on_group_done=None, images=None, caller=None
     ) -> list[Trajectory]:
+        """`run` inside a running event loop; `caller`: where the trajectory schedule's engine
+        steps (run's thread), else a thread of the engine's own."""
         rollouts = [
             Rollout(
                 AgentState(sample=samples[i], index=j),
@@ -173,7 +182,7 @@ class AgentLoop:
         groups = Groups(rollouts, n, on_group_done)
         clock = Clock()
         if self.cfg.schedule == "trajectory":
-            await self._by_trajectory(rollouts, session, turn_params, generator, groups, clock)
+            await self._by_trajectory(rollouts, session, turn_params, generator, groups, clock, caller)
         else:
             await self._by_turn(rollouts, session, turn_params, generator, groups, clock)
         self.stats = {**counts(rollouts, self.engine.prefill_tokens - prefill_before), **clock.metrics()}
@@ -216,10 +225,11 @@ class AgentLoop:
         for batch, future in answering:
             self._write_answers(batch, await asyncio.wrap_future(future), groups)
 
-    async def _by_trajectory(self, rollouts, session: Session, params, generator, groups: Groups, clock: Clock) -> None:
+    async def _by_trajectory(self, rollouts, session: Session, params, generator, groups: Groups, clock: Clock,
+                             caller: CallerThread | None) -> None:  # fmt: skip
         """Each trajectory on its own (see the module docstring). A failure anywhere (a tool that
         raises a UserError, the engine) ends every trajectory and releases every row."""
-        driver = TurnDriver(session, params, generator, clock, self.vision is not None, self.engine.device)
+        driver = TurnDriver(session, params, generator, clock, self.vision is not None, self.engine.device, caller)
         answers = _AnswerQueue(self, groups, driver)
         stepping = asyncio.create_task(driver.run())
         trajectories = [asyncio.create_task(self._trajectory(k, r, driver, answers, clock)) for k, r in enumerate(rollouts)]

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from grouprl.data.sample import Sample
+from grouprl.errors import ConfigError
 from grouprl.retriever.client import RetrievalClient
 from grouprl.retriever.index import Retriever, build_index
 from grouprl.retriever.service import BackgroundServer, create_app
@@ -224,3 +225,48 @@ def test_stopped_service_stops_the_run():
     assert tool.backend_calls == 2 and tool.consecutive_failures == 2
     assert all(isinstance(o, SearchUnavailableError) for o in outcomes)
     assert str(outcomes[0]).startswith(f"retrieval service at {url} failed 2 times in a row; last error: ")
+
+
+class SlowFirst:
+    """An async backend: a request holding query "slow" answers after 0.4 s, others at once;
+    records each request's queries."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self):
+        self.requests = []
+
+    async def search(self, queries, top_k):
+        self.requests.append(list(queries))
+        await asyncio.sleep(0.4 if "slow" in queries else 0.0)
+        return [[{"id": f"d-{q}", "text": q, "score": 1.0}] for q in queries]
+
+
+@pytest.mark.parametrize("in_flight", [1, 4])
+def test_a_search_waits_for_an_earlier_slow_request_only_beyond_max_in_flight(in_flight):
+    backend = SlowFirst()
+    tool = SearchTool(backend, top_k=1, max_in_flight=in_flight)
+
+    async def both():
+        done = {}
+
+        async def one(query, delay):
+            await asyncio.sleep(delay)
+            await tool(query, new_state())
+            done[query] = asyncio.get_running_loop().time()
+
+        start = asyncio.get_running_loop().time()
+        await asyncio.gather(one("slow", 0.0), one("fast", 0.05))  # "fast" comes while "slow" is in flight
+        return {q: t - start for q, t in done.items()}
+
+    done = asyncio.run(both())
+    assert backend.requests == [["slow"], ["fast"]]  # apart: "fast" came after the batching window
+    if in_flight == 1:  # queued behind the slow request
+        assert done["fast"] >= 0.4
+    else:  # its own request at once
+        assert done["fast"] < 0.2 < 0.4 <= done["slow"]
+
+
+def test_max_in_flight_is_checked():
+    with pytest.raises(ConfigError, match="max_in_flight must be >= 1"):
+        SearchTool(SlowFirst(), max_in_flight=0)

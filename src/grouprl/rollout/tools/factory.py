@@ -24,17 +24,21 @@ def build_tools(cfg: AgentConfig, max_pixels: int = 0) -> dict[str, Tool]:
         if r.url:
             from grouprl.retriever.client import RetrievalClient
 
-            backend = RetrievalClient(r.url, timeout=r.timeout_s)
+            backend, in_flight = RetrievalClient(r.url, timeout=r.timeout_s), r.max_in_flight
         elif r.index:
             from grouprl.retriever.index import Retriever
 
-            backend = Retriever.load(r.index)
+            backend, in_flight = Retriever.load(r.index), 1  # searched on this machine's cores: one batch at a time
         else:
             raise ConfigError(
                 "agent.tools has search: set agent.retriever.index (in-process) or agent.retriever.url"
             )
         tools["search"] = SearchTool(
-            backend, top_k=r.top_k, max_consecutive_failures=r.max_consecutive_failures, max_pixels=max_pixels
+            backend,
+            top_k=r.top_k,
+            max_consecutive_failures=r.max_consecutive_failures,
+            max_pixels=max_pixels,
+            max_in_flight=in_flight,
         )
     if "bbox" in cfg.tools:
         from grouprl.rollout.tools.crop import CropTool

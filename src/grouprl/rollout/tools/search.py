@@ -1,9 +1,13 @@
 """The `<search>query</search>` tool: retrieval over the page corpus, micro-batched.
 
 The agent loop awaits the tool calls of one turn concurrently (one per active sample). Calls
-that arrive within `batch_window_s` of the first pending one, or while a request is in flight,
-are sent to the backend as one batch (identical queries once; see retriever/batching.py), so
-B x n_agent searches cost one embedding pass or one HTTP request instead of B x n_agent.
+that arrive within `batch_window_s` of the first pending one, or while `max_in_flight` requests
+are in flight, are sent to the backend as one batch (identical queries once; see
+retriever/batching.py), so B x n_agent searches cost one embedding pass or one HTTP request
+instead of B x n_agent. Under the trajectory schedule searches come one by one: with several
+requests allowed in flight (agent.retriever.max_in_flight for the HTTP service; the in-process
+index searches one batch at a time on this machine's cores), a search does not wait for an
+earlier one's slow reply.
 
 The backend is an in-process `Retriever` (searched in a worker thread) or a
 `RetrievalClient` (async HTTP). A failing backend gives the policy an error observation; after
@@ -51,10 +55,12 @@ class SearchTool:
         max_pixels: int = 0,
         batch_window_s: float = 0.002,
         max_batch: int = 256,
+        max_in_flight: int = 1,
     ):
-        if top_k < 1 or max_consecutive_failures < 1 or max_batch < 1 or max_chars < 1:
+        if min(top_k, max_consecutive_failures, max_batch, max_chars, max_in_flight) < 1:
             raise ConfigError(
-                "search tool: top_k, max_consecutive_failures, max_batch and max_chars must be >= 1"
+                "search tool: top_k, max_consecutive_failures, max_batch, max_chars and "
+                "agent.retriever.max_in_flight must be >= 1"
             )
         self.backend = backend
         self.top_k = top_k
@@ -64,7 +70,9 @@ class SearchTool:
         self.max_pixels = max_pixels  # 0 = show page images at their original size
         self.consecutive_failures = 0
         self._is_async = inspect.iscoroutinefunction(getattr(backend, "search", None))
-        self._batcher = MicroBatcher(self._search_batch, window_s=batch_window_s, max_batch=max_batch)
+        self._batcher = MicroBatcher(
+            self._search_batch, window_s=batch_window_s, max_batch=max_batch, max_in_flight=max_in_flight
+        )
         self._warned: set[str] = set()  # page images already reported missing
 
     @property
