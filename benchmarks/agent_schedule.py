@@ -31,6 +31,7 @@ time/tools), the medians, and trajectory / turn (below 1: the trajectory schedul
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -132,12 +133,13 @@ class RowTagged:
 
 
 # ------------------------------------------------------------------ forcing the scripts
-def script_ids(tokenizer, group: int, row: int, turn: int) -> list[int]:
+@functools.cache
+def script_ids(tokenizer, group: int, row: int, turn: int) -> tuple[int, ...]:
     """Turn `turn` of row `row` as token ids: the seeded number of filler tokens, then the action."""
     key = f"g{group}" if turn == 0 else f"r{row}t{turn}"
     action = f"<search>g{group}t{turn}</search>" if turn < searches(row) else "<answer>42</answer>"
     filler = tokenizer(FILLER, add_special_tokens=False)["input_ids"][: filler_tokens(key)]
-    return filler + tokenizer(action, add_special_tokens=False)["input_ids"]
+    return tuple(filler + tokenizer(action, add_special_tokens=False)["input_ids"])  # cached: never changed
 
 
 def force_hf(tokenizer, n: int) -> None:

@@ -19,6 +19,8 @@ a draw within a rounding error of a boundary between two tokens, which is rare b
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -319,6 +321,7 @@ class RunningSession(KVSession):
         self.logits: torch.Tensor | None = None  # [A, V] the running rows' next-token logits
         self.turns = [0] * len(self.parked)  # turns each row has started
         self.waited = 0  # steps the queued turns have waited
+        self._fast: contextlib.ExitStack | None = None  # cpu.fast_decode, kept while turns run
 
     def submit(self, row, new_tokens, params, generator=None, new_images=None) -> None:
         if generator is not None:
@@ -329,14 +332,20 @@ class RunningSession(KVSession):
     def step(self) -> list[tuple[int, Generation]]:
         model = self.engine.model
         was_training = model.training
-        model.eval()
+        if was_training:
+            model.eval()
         try:
             self._admit()
             if not self.running:
                 return []
-            with cpu.fast_decode(model):
-                return self._advance()
+            if self._fast is None:  # entered once for a run of steps (patching every layer costs ~1 ms a step)
+                self._fast = contextlib.ExitStack()
+                self._fast.enter_context(cpu.fast_decode(model))
+            return self._advance()
         finally:
+            if self._fast is not None and (not self.running or was_training):  # left when nothing runs
+                self._fast.close()
+                self._fast = None
             if was_training:
                 model.train()
 
@@ -348,6 +357,9 @@ class RunningSession(KVSession):
                 self._drop(i)
                 self.engine.running_turns -= 1
                 break
+        if self._fast is not None and not self.running:
+            self._fast.close()
+            self._fast = None
         super().release(row)
 
     def _admit(self) -> None:
