@@ -5,23 +5,28 @@ recipe's shape, with a retrieval service whose latency is drawn per call, altern
     .venv/bin/python benchmarks/agent_schedule.py                     # built-in engine and vLLM's CPU build
     .venv/bin/python benchmarks/agent_schedule.py --engines hf --rounds 5
     .venv/bin/python benchmarks/agent_schedule.py --quick             # smoke test
+    .venv/bin/python benchmarks/agent_schedule.py --model flat        # a step's cost flat in its rows
+    .venv/bin/python benchmarks/agent_schedule.py --shape long        # turns of up to 256 tokens
 
 Each engine runs in a child process of its own (hf in `--hf-python`, vllm in `--vllm-python`,
-the environments `make setup setup-vllm` builds) on SmolLM2-135M (built in) in float32. A
-rollout is the recipe's step: 4 prompts x 4 samples, at most 4 turns of at most 64 tokens, the
+the environments `make setup setup-vllm` builds) in float32, on SmolLM2-135M (built in) or, with
+`--model flat`, SmolLM2's layout at width 64 with random weights: there a decode step costs about
+the same at 1 row and at 16 (the run prints both), as a 7B's does on a GPU, where on this CPU
+SmolLM2's step grows about 1.6x from 1 row to 16 and a prefill token costs ~2 ms, costs that
+no schedule hides. A rollout is the recipe's step: 4 prompts x 4 samples, at most 4 turns, the
 policy answering itself (configs/search_agent.yaml). The untrained policy writes no actions, so
 every turn is scripted (its tokens forced, one a decode step, as tests/vision_helpers.ForcedTurns
-does): a row searches 1-3 times, then answers; each turn is seeded filler of 2 to `--max-filler`
-tokens (log-normal, median 6: a turn of 64 tokens at most, most of them far shorter) and then its
-action. Searches go over HTTP (grouprl's
-RetrievalClient and SearchTool) to a service in the child that answers each query with
-`--sentences` sentences after a latency drawn per (row, turn), seeded: `tail` log-uniform on
-0.05-2 s, `lognormal` median 0.2 s clipped to 0.05-2 s, `instant` none. A request of several
-queries (the search tool batches those that arrive together) is answered after its slowest.
-Both schedules see the same scripts and latencies, and must write the same trajectories
-(checked). On this CPU a 70-token result costs a row about a second of prefill, so the default
-shape keeps results short (one sentence): closer to a GPU's balance between generation and the
-tools' waits than the recipe's 256-token observations (`--sentences 4` is that heavier shape).
+does): a row searches 1-3 times, then answers; each turn is seeded filler, log-normal (sigma
+1.2), then its action: `--shape short` median 6 tokens, at most 44, turns of at most 64 tokens;
+`--shape long` median 24, at most 240, turns of at most 256. Searches go over HTTP (grouprl's
+RetrievalClient and SearchTool, up to agent.retriever.max_in_flight requests at once) to a
+service in the child that answers each query with `--sentences` sentences after a latency drawn
+per (row, turn), seeded: `tail` log-uniform on 0.05-2 s, `lognormal` median 0.2 s clipped to
+0.05-2 s, `instant` none. A request of several queries (searches that arrive together share one)
+is answered after its slowest. Both schedules see the same scripts and latencies, and must write
+the same trajectories (checked). On this CPU a 70-token result costs a row about a second of
+prefill, so the default shape keeps results short (one sentence; `--sentences 4` is the
+recipe's heavier shape).
 
 Per engine and latency: each round runs a rollout of each schedule (which first alternates),
 after one warm-up rollout each; printed: every rollout's wall time and its split (time/engine,

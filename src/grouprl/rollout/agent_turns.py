@@ -5,11 +5,13 @@ Each trajectory of an agent rollout is a coroutine that awaits its turn's genera
 tool call, then its next turn. `TurnDriver.generate` queues the row's turn and waits;
 `TurnDriver.run` hands the queued turns to the engine's session (`Session.submit`) and steps it
 (`Session.step`) whenever some turn is queued or running, handing each turn to its trajectory
-the step it ends, and sleeps when every trajectory is away at its tools. A step runs on a thread
-of the engine's own, so the event loop goes on with the tools' I/O, the frozen answers and the
-trajectories handed their turns meanwhile; that thread takes the loop thread's autocast and
-device, and runs one thing at a time (a step, or a local answer generator's call), and the
-session is touched only between its steps.
+the step it ends, and sleeps when every trajectory is away at its tools. A step runs on another
+thread than the event loop, so the loop goes on with the tools' I/O, the frozen answers and the
+trajectories handed their turns meanwhile: the thread that called `AgentLoop.run` (`CallerThread`;
+the loop then runs on a thread of its own), or, for `arun` awaited in a loop of the caller's, a
+thread of the engine's own that takes the loop thread's autocast and device. Either runs one
+thing at a time (a step, or a local answer generator's call), and the session is touched only
+between its steps.
 """
 
 from __future__ import annotations
