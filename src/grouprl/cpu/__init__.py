@@ -47,6 +47,14 @@ def on_cpu(model: torch.nn.Module) -> bool:
     return param is not None and param.device.type == "cpu"
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP gathers the model's layers (several ranks): each gathered layer's buffers are
+    freed after it, holes the heap keeps through the forward unless trimmed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _nothing() -> None:
     return None
 
@@ -65,6 +73,7 @@ def lean_update(model: torch.nn.Module, cfg: Any) -> Iterator[Callable[[], None]
         lean_norm(model, enabled=cfg.lean_norm),
         lean_attention(model, enabled=cfg.lean_attention),
         mapped_large_blocks(cfg.update_mmap_threshold_kb << 10),
+        trim_during_forward(model, trim_every if _sharded(model) else 0),
         trim_during_backward(model, trim_every),
     ):
         yield release_free_memory if cfg.update_malloc_trim else _nothing
