@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from grouprl.cpu.allocator import (
+    mapped_collective_buffers,
     mapped_large_blocks,
     release_free_memory,
     trim_during_backward,
@@ -75,6 +76,7 @@ def lean_update(model: torch.nn.Module, cfg: Any) -> Iterator[Callable[[], None]
         mapped_large_blocks(cfg.update_mmap_threshold_kb << 10),
         trim_during_forward(model, trim_every if _sharded(model) else 0),
         trim_during_backward(model, trim_every),
+        mapped_collective_buffers(model) if cfg.update_malloc_trim else contextlib.nullcontext(),
     ):
         yield release_free_memory if cfg.update_malloc_trim else _nothing
 
