@@ -246,6 +246,7 @@ FSDP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter with a process group: ~4 s
 def test_fsdp_collective_buffers_are_allocated_mapped_within_the_block_and_gradients_are_unchanged():
     """Each layer's reduce-scatter buffers go through the mapped allocation inside the block (a
     world of one rank: FSDP still copies its gradients in and out of them; the all-gather's, which
