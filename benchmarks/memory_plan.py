@@ -164,10 +164,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="actor.dtype")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "grouprl-memory-plan"))
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--set", nargs="*", default=[], help="further overrides for every run (section.key=value)")
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    settings = vlm_settings(args, work) if args.vlm else llama_settings(args, work)
+    settings = [*(vlm_settings(args, work) if args.vlm else llama_settings(args, work)), *args.set]
     results = {}
     for ranks in map(int, args.ranks.split(",")):
         out = work / ("vlm-runs" if args.vlm else "runs")

@@ -54,3 +54,35 @@ def test_a_model_elsewhere_than_the_cpu_is_left_alone():
         assert before_backward is not cpu.release_free_memory
     with cpu.lean_scoring(elsewhere, cfg), cpu.fast_decode(elsewhere):
         assert _patched(elsewhere) == 0 and elsewhere.config._attn_implementation == "sdpa"
+
+
+def test_layers_fsdp_gathers_are_also_trimmed_after_their_forward_and_keep_their_lean_patches(monkeypatch):
+    """Under FSDP (several ranks) each layer's gathered weights are freed after its forward, holes
+    the heap would keep through the forward: the update trims after every k-th layer's forward
+    as well as in backward; in one process only backward trims. The MLPs and norms inside the
+    layers FSDP wraps are patched as in one process (what the memory plan counts)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from grouprl.cpu import allocator
+
+    if allocator._glibc() is None:
+        monkeypatch.setattr(allocator, "_glibc", lambda: object())
+    calls: list[str] = []
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: calls.append("trim") or True)
+    cfg = ActorConfig(update_trim_every_layers=2)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    trims = {}
+    for sharded in (False, True):
+        model, _ = tiny_model_and_tokenizer(num_hidden_layers=4)
+        if sharded:  # the class fully_shard gives a layer (FSDPModule first, then the layer's own)
+            for layer in model.model.layers:
+                layer.__class__ = type(f"FSDP{type(layer).__name__}", (FSDPModule, type(layer)), {})
+        calls.clear()
+        with cpu.lean_update(model, cfg):
+            assert _patched(model) == 4 + (2 * 4 + 1)
+            loss = model(input_ids=ids).logits.sum()
+            in_forward = len(calls)
+            loss.backward()
+        trims[sharded] = (in_forward, len(calls) - in_forward)
+        assert _hooks(model) == 0
+    assert trims == {False: (0, 2), True: (2, 2)}

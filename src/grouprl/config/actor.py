@@ -138,7 +138,8 @@ class ActorConfig:
     lowers the peak RSS (freed activations otherwise stay resident) for a few percent of update time."""
     update_trim_every_layers: int = 5
     """With update_malloc_trim, also give them back when backward reaches every this many decoder
-    layers (what backward frees inside one micro-batch; 0 = before each backward only)."""
+    layers (what backward frees inside one micro-batch), and under FSDP after as many layers' forward
+    (their gathered weights' buffers); 0 = before each backward only."""
     update_mmap_threshold_kb: int = 0
     """During the update, malloc blocks of this size and more that its heap has no room for are
     mmapped and unmapped when freed (Linux/glibc): the lowest peak RSS, but fresh pages are

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from grouprl.cpu.allocator import (
+    mapped_collective_buffers,
     mapped_large_blocks,
     release_free_memory,
     trim_during_backward,
@@ -45,6 +46,14 @@ __all__ = ["fast_decode", "lean_memory", "lean_scoring", "lean_update", "on_cpu"
 def on_cpu(model: torch.nn.Module) -> bool:
     param = next(model.parameters(), None)
     return param is not None and param.device.type == "cpu"
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP gathers the model's layers (several ranks): each gathered layer's buffers are
+    freed after it, holes the heap keeps through the forward unless trimmed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _nothing() -> None:
@@ -65,7 +74,9 @@ def lean_update(model: torch.nn.Module, cfg: Any) -> Iterator[Callable[[], None]
         lean_norm(model, enabled=cfg.lean_norm),
         lean_attention(model, enabled=cfg.lean_attention),
         mapped_large_blocks(cfg.update_mmap_threshold_kb << 10),
+        trim_during_forward(model, trim_every if _sharded(model) else 0),
         trim_during_backward(model, trim_every),
+        mapped_collective_buffers(model) if cfg.update_malloc_trim else contextlib.nullcontext(),
     ):
         yield release_free_memory if cfg.update_malloc_trim else _nothing
 

@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import math
 
 import torch
 
@@ -125,3 +126,66 @@ def trim_during_forward(model: torch.nn.Module, every: int):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _mapped_empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty whose block, where the heap's free chunks cannot serve it, is mmapped (and
+    unmapped when freed) rather than grown into the heap."""
+    mallopt = _mallopt()
+    nbytes = math.prod(int(s) for s in size) * torch.empty((), dtype=dtype).element_size()
+    ok = bool(mallopt and 0 < nbytes < GLIBC_CEILING and mallopt(M_MMAP_THRESHOLD, nbytes))
+    try:
+        return torch.empty(*size, dtype=dtype, device=device)
+    finally:
+        if ok:
+            mallopt(M_MMAP_THRESHOLD, GLIBC_CEILING)
+
+
+@contextlib.contextmanager
+def mapped_collective_buffers(model: torch.nn.Module):
+    """Within the block, the flat buffers FSDP2 allocates for each layer's all-gather and
+    reduce-scatter (a layer's weights or gradients, world x shard) are mmapped and unmapped when
+    freed: below glibc's 32 MiB ceiling they would come from the heap, whose freed chunks stay
+    resident between the activations (tens of MB a layer, every layer of every pass). Does
+    nothing without glibc or where the model has no FSDP module. Yields the modules set."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError:  # a torch without FSDP2's custom collectives
+        yield 0
+        return
+
+    class MappedAllGather(DefaultAllGather):
+        def allocate(self, size, *, dtype, device):
+            return (
+                _mapped_empty(size, dtype=dtype, device=device)
+                if device.type == "cpu"
+                else super().allocate(size, dtype=dtype, device=device)
+            )
+
+    class MappedReduceScatter(DefaultReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return (
+                _mapped_empty(size, dtype=dtype, device=device)
+                if device.type == "cpu"
+                else super().allocate(size, dtype=dtype, device=device)
+            )
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if _glibc() is not None else []
+    done = []
+    try:
+        for module in modules:
+            try:
+                module.set_custom_all_gather(MappedAllGather())
+                module.set_custom_reduce_scatter(MappedReduceScatter())
+            except (ValueError, AssertionError):  # several parameter groups, or no FSDP state: left alone
+                continue
+            done.append(module)
+        yield len(done)
+    finally:
+        for module in done:
+            module.set_custom_all_gather(DefaultAllGather())
+            module.set_custom_reduce_scatter(DefaultReduceScatter())

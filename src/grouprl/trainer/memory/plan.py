@@ -335,10 +335,10 @@ class _Sizes:
     def _pass_settings(self) -> PassSettings:
         """How the update's passes compute: under FSDP the weights are gathered in the compute
         dtype (mixed precision), so the residual stream is in it too; in one process autocast
-        leaves it in the weights' dtype. A CPU's lean layers and attention patch modules, which
-        FSDP's are not: one process only."""
+        leaves it in the weights' dtype. A CPU's lean layers and attention patch the MLP, norm
+        and attention modules, inside the layers FSDP wraps as in one process (cpu.lean_update)."""
         a = self.cfg.actor
-        lean = self.devices.kind == "cpu" and self.world == 1  # a CPU's layer patches: one process only
+        lean = self.devices.kind == "cpu"
         return PassSettings(
             stream=self.compute_bytes if self.world > 1 else self.param_bytes,
             compute=self.compute_bytes,
