@@ -181,20 +181,6 @@ def test_the_frozen_generator_answers_each_trajectory_as_it_ends():
     assert all(t.turns[-1]["action"] == "answer" for t in trajectories)
 
 
-def test_an_engine_failure_leaves_no_row_held(monkeypatch):
-    sessions = []
-    real_open = ClockedEngine.open_session
-
-    def recording(self, *args, **kwargs):
-        sessions.append(real_open(self, *args, **kwargs))
-        return sessions[-1]
-
-    monkeypatch.setattr(ClockedEngine, "open_session", recording)
-    with pytest.raises(RuntimeError, match="the engine broke"):
-        clocked_run("trajectory", TURNS, LATENCY, fail_at_step=5)
-    assert sessions[0].steps == 5 and sessions[0].held() == set()
-
-
 def _recording_sessions(monkeypatch) -> list:
     sessions = []
     real_open = ClockedEngine.open_session
@@ -205,6 +191,13 @@ def _recording_sessions(monkeypatch) -> list:
 
     monkeypatch.setattr(ClockedEngine, "open_session", recording)
     return sessions
+
+
+def test_an_engine_failure_leaves_no_row_held(monkeypatch):
+    sessions = _recording_sessions(monkeypatch)
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        clocked_run("trajectory", TURNS, LATENCY, fail_at_step=5)
+    assert sessions[0].steps == 5 and sessions[0].held() == set()
 
 
 def test_the_engine_steps_and_groups_are_handed_over_on_the_calling_thread(monkeypatch):
