@@ -158,21 +158,17 @@ def mapped_collective_buffers(model: torch.nn.Module):
         yield 0
         return
 
-    class MappedAllGather(DefaultAllGather):
+    class Mapped:  # a host buffer mapped; elsewhere the collective's own allocation
         def allocate(self, size, *, dtype, device):
-            return (
-                _mapped_empty(size, dtype=dtype, device=device)
-                if device.type == "cpu"
-                else super().allocate(size, dtype=dtype, device=device)
-            )
+            if device.type == "cpu":
+                return _mapped_empty(size, dtype=dtype, device=device)
+            return super().allocate(size, dtype=dtype, device=device)
 
-    class MappedReduceScatter(DefaultReduceScatter):
-        def allocate(self, size, *, dtype, device):
-            return (
-                _mapped_empty(size, dtype=dtype, device=device)
-                if device.type == "cpu"
-                else super().allocate(size, dtype=dtype, device=device)
-            )
+    class MappedAllGather(Mapped, DefaultAllGather):
+        pass
+
+    class MappedReduceScatter(Mapped, DefaultReduceScatter):
+        pass
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if _glibc() is not None else []
     done = []
