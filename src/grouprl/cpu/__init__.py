@@ -10,8 +10,6 @@ reads the same on a GPU:
   for backward (lean_mlp.py, lean_norm.py), grouped-query attention runs on unrepeated keys and
   values (lean_attention.py), and freed activation memory goes back to the OS (allocator.py).
   It yields `before_backward`, to call before each backward.
-- `lean_memory(model, actor_cfg)`: the allocator's part of `lean_update` alone, for an update
-  whose layers FSDP manages (several ranks).
 - `lean_scoring(model, actor_cfg)` around a no-grad scoring pass (old / reference log-probs).
 - `fast_decode(model)` around a decode loop: few-row products in the fastest of a few equal forms,
   timed per shape (small_matmul.py).
@@ -40,7 +38,7 @@ from grouprl.cpu.lean_mlp import lean_mlp
 from grouprl.cpu.lean_norm import lean_norm
 from grouprl.cpu.small_matmul import small_batch_linear
 
-__all__ = ["fast_decode", "lean_memory", "lean_scoring", "lean_update", "on_cpu"]
+__all__ = ["fast_decode", "lean_scoring", "lean_update", "on_cpu"]
 
 
 def on_cpu(model: torch.nn.Module) -> bool:
@@ -79,23 +77,6 @@ def lean_update(model: torch.nn.Module, cfg: Any) -> Iterator[Callable[[], None]
         mapped_collective_buffers(model) if cfg.update_malloc_trim else contextlib.nullcontext(),
     ):
         yield release_free_memory if cfg.update_malloc_trim else _nothing
-
-
-@contextlib.contextmanager
-def lean_memory(model: torch.nn.Module, cfg: Any) -> Iterator[Callable[[], None]]:
-    """Within the block, freed memory of a CPU model's update goes back to the OS (allocator.py),
-    without lean_update's layer patches (for layers FSDP manages). Yields the call to make before
-    each backward."""
-    if not on_cpu(model) or not cfg.update_malloc_trim:
-        yield _nothing
-        return
-    every = cfg.update_trim_every_layers
-    with (
-        mapped_large_blocks(cfg.update_mmap_threshold_kb << 10),
-        trim_during_forward(model, every),
-        trim_during_backward(model, every),
-    ):
-        yield release_free_memory
 
 
 def lean_scoring(model: torch.nn.Module, cfg: Any) -> contextlib.AbstractContextManager:
