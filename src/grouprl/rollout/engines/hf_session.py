@@ -3,9 +3,13 @@
 `KVSession` runs a turn of several rows together (`generate`, the agent's `turn` schedule): the
 rows' parked caches side by side, each row's new tokens prefilled after its own, then decoded as
 `HFEngine.generate` decodes. `RunningSession` adds continuous batching (`submit` / `step`, the
-`trajectory` schedule): one running batch that a row's turn joins at a decode-step boundary,
-after a prefill of its new tokens alone (the running rows are not stopped for it beyond that
-one forward pass), and leaves as soon as it ends, without waiting for the others.
+`trajectory` schedule): one running batch that a row's turn joins at a decode-step boundary and
+leaves as soon as it ends, without waiting for the others. A returning row's new tokens (the
+tool's observation) are prefilled inside the running rows' next decode step, one forward pass
+for both (`_Batch.forward` with `joining`: each running row's token and each joining row's
+tokens side by side in one sequence, every row attending to its own cache only), so the
+running rows never stop for a joining row; a VLM's rows, and every row when nothing runs, are
+prefilled in a pass of their own as the turn-by-turn schedule does.
 
 Randomness is the rows' own (`RowStreams`): a row draws one number a token from its stream,
 whichever rows share its batch. The floats a row's logits come from can still depend on its
@@ -20,10 +24,12 @@ a draw within a rounding error of a boundary between two tokens, which is rare b
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grouprl import cpu
 from grouprl.rollout.engines import sampling
@@ -183,13 +189,18 @@ class _SlotLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         b = self.batch
+        keys, values = b.keys[self.index], b.values[self.index]
+        # in the cache's dtype (the prefill's: under autocast the step's may be lower, and a plain
+        # cache layer's in-place write casts the same way)
+        if b.ragged is not None:  # [1, H, N, D]: token i at (its row's slot, its column)
+            slots, cols = b.ragged.slots, b.ragged.cols
+            keys[slots, :, cols] = key_states[0].transpose(0, 1).to(keys.dtype)
+            values[slots, :, cols] = value_states[0].transpose(0, 1).to(values.dtype)
+            return keys, values  # read by ragged_attention, per row
         if key_states.shape[-2] != 1:
             raise ValueError("a running batch takes one token a row: rows join through their own prefill")
         slots, cols = b.slots[: b.size], b.cols[: b.size]
-        keys, values = b.keys[self.index], b.values[self.index]
-        # [A, H, D] at each row's column, in the cache's dtype (the prefill's: under autocast the
-        # step's may be lower, and a plain cache layer's in-place write casts the same way)
-        keys[slots, :, cols] = key_states[:, :, 0].to(keys.dtype)
+        keys[slots, :, cols] = key_states[:, :, 0].to(keys.dtype)  # [A, H, D] at each row's column
         values[slots, :, cols] = value_states[:, :, 0].to(values.dtype)
         self._view()
         return self.keys, self.values
@@ -213,6 +224,7 @@ class _Batch:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.size, self.col_list = 0, []  # running rows; their next columns on the host
+        self.ragged: _Ragged | None = None  # set during a forward that prefills joining rows
         self._allocate(slots, length)
         self.cache = DynamicCache()
         self.cache.layers = [_SlotLayer(self, j) for j in range(len(self.heads))]
@@ -273,8 +285,13 @@ class _Batch:
         self.col_list.pop()
         self.size = last
 
-    def forward(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each running row its token [A] at its column -> logits [A, V]."""
+    def forward(self, model, tokens: torch.Tensor, joining: list[tuple] = (), configs: list = ()) -> torch.Tensor:
+        """Feed each running row its token [A] at its column -> logits [A, V]; with `joining`
+        [(parked cache or None, new tokens, position of the first, room for more tokens), ...],
+        those rows take the next slots and their tokens go through the same pass -> logits
+        [A + J, V] (theirs after their last token); `configs`: `joins_in_step`'s."""
+        if joining:
+            return self._forward_joining(model, tokens, joining, configs)
         a = self.size
         self.mask[self.slots[:a], self.cols[:a]] = 1
         width = self.width
@@ -291,6 +308,136 @@ class _Batch:
         self.pos[:a] += 1
         self.col_list = [c + 1 for c in self.col_list]
         return out.logits[:, -1, :]
+
+    def _forward_joining(self, model, tokens: torch.Tensor, joining: list[tuple], configs: list) -> torch.Tensor:
+        """One pass over the running rows' tokens and the joining rows' new tokens, laid out as one
+        sequence [1, A + sum T]; `ragged_attention` gives each its own row's keys."""
+        a, device = self.size, self.device
+        lengths = [p[0][0].shape[1] if p else 0 for p, _, _, _ in joining]  # each joining row's cached tokens
+        feeds = [len(ids) for _, ids, _, _ in joining]
+        need = max(n + t + room for n, t, (_, _, _, room) in zip(lengths, feeds, joining))
+        slots, length = self.mask.shape
+        if a + len(joining) > slots or need > length:
+            more_slots = slots if a + len(joining) <= slots else max(a + len(joining), slots * 3 // 2)
+            self._allocate(more_slots, length if need <= length else max(need, length * 3 // 2))
+        plan = _Ragged(a)
+        ids, slot_ids, col_ids, positions = [tokens], [self.slots[:a]], [self.cols[:a]], [self.pos[:a]]
+        start = a
+        for k, ((parked, new, first, _), cached, fed) in enumerate(zip(joining, lengths, feeds)):
+            slot = a + k
+            for j, (keys, values) in enumerate(parked or []):
+                self.keys[j][slot, :, :cached] = keys
+                self.values[j][slot, :, :cached] = values
+            self.mask[slot] = 0
+            self.mask[slot, : cached + fed] = 1
+            columns = torch.arange(cached, cached + fed, device=device)
+            ids.append(torch.tensor(new, dtype=torch.long, device=device))
+            slot_ids.append(torch.full((fed,), slot, dtype=torch.long, device=device))
+            col_ids.append(columns)
+            positions.append(columns - cached + first)
+            # causal: the feed's token i sees the row's cached tokens and the feed's first i + 1
+            causal = torch.arange(cached + fed, device=device)[None, :] <= columns[:, None]  # [T, L + T]
+            plan.joining.append((slot, start, fed, cached + fed, causal[None, None]))
+            start += fed
+        plan.slots, plan.cols = torch.cat(slot_ids), torch.cat(col_ids)
+        if a:
+            self.mask[self.slots[:a], self.cols[:a]] = 1
+            plan.width = max(self.col_list) + 1
+            plan.decode_mask = self.mask[:a, : plan.width].bool()[:, None, None, :]
+        keep = torch.tensor(list(range(a)) + [s + t - 1 for _, s, t, _, _ in plan.joining], device=device)
+        self.ragged = plan
+        _current.batch = self
+        try:
+            with _attention(configs, RAGGED):
+                out = model(
+                    input_ids=torch.cat(ids)[None],
+                    position_ids=torch.cat(positions)[None],
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
+        finally:
+            self.ragged = _current.batch = None
+        self.cols[:a] += 1
+        self.pos[:a] += 1
+        self.col_list = [c + 1 for c in self.col_list]
+        for k, ((_, _, first, _), cached, fed) in enumerate(zip(joining, lengths, feeds)):
+            self.cols[a + k], self.pos[a + k] = cached + fed, first + fed
+            self.col_list.append(cached + fed)
+        self.size = a + len(joining)
+        return out.logits[0]
+
+
+class _Ragged:
+    """What `ragged_attention` needs for one pass: each token's slot and column, the running
+    rows' count, read width and mask, and per joining row (slot, first token in the sequence,
+    its tokens, columns it reads, causal mask)."""
+
+    def __init__(self, decoding: int):
+        self.decoding, self.width, self.decode_mask = decoding, 0, None
+        self.slots = self.cols = None
+        self.joining: list[tuple[int, int, int, int, torch.Tensor]] = []
+
+
+_current = threading.local()  # the _Batch whose ragged pass runs on this thread
+RAGGED = "grouprl_ragged"
+
+
+def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention for `_Batch._forward_joining` (transformers' attention-function signature;
+    query [1, H, N, D]): the running rows' tokens attend as in a decode step, each joining row's
+    tokens causally over its own slot; each part through transformers' `sdpa` function.
+    -> ([1, N, H, D], None)."""
+    batch = _current.batch
+    plan, keys, values = batch.ragged, batch.keys[module.layer_idx], batch.values[module.layer_idx]
+    parts, a = [], plan.decoding
+    if a:
+        q = query[0, :, :a].transpose(0, 1).unsqueeze(2)  # [A, H, 1, D]
+        k, v = keys[:a, :, : plan.width], values[:a, :, : plan.width]
+        out, _ = sdpa_attention_forward(module, q, k, v, plan.decode_mask, dropout=dropout, scaling=scaling)
+        parts.append(out.transpose(0, 1))  # [A, 1, H, D] -> [1, A, H, D]
+    for slot, start, fed, width, causal in plan.joining:
+        q = query[:, :, start : start + fed]
+        k, v = keys[slot : slot + 1, :, :width], values[slot : slot + 1, :, :width]
+        out, _ = sdpa_attention_forward(module, q, k, v, causal, dropout=dropout, scaling=scaling)
+        parts.append(out)  # [1, T, H, D]
+    return torch.cat(parts, dim=1), None
+
+
+AttentionInterface.register(RAGGED, ragged_attention)
+
+
+@contextlib.contextmanager
+def _attention(configs: list, name: str):
+    """Within the block, the configs (the model's, on `sdpa`) name `name`: no mask is built for
+    it, and the attention layers call `ragged_attention`."""
+    for config in configs:
+        config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._attn_implementation_internal = "sdpa"
+
+
+def joins_in_step(engine) -> list:
+    """The configs to switch when a returning row's tokens go through the running rows' decode
+    step, or [] where they cannot: a text model on `sdpa` attention whose attention layers know
+    their index (every model whose layers read `config._attn_implementation`, as transformers'
+    do)."""
+    model = engine.model
+    config = getattr(model, "config", None)
+    if getattr(engine, "vision", None) is not None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return []
+    if not any(hasattr(m, "layer_idx") and hasattr(m, "scaling") for m in model.modules()):
+        return []
+    configs, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if id(config) not in seen and getattr(config, "_attn_implementation", None) == "sdpa":
+            seen.add(id(config))
+            configs.append(config)
+    return configs
 
 
 ADMIT_WAIT = 3  # steps a queued turn may wait to share its prefill with turns queued after it
@@ -321,6 +468,8 @@ class RunningSession(KVSession):
         self.logits: torch.Tensor | None = None  # [A, V] the running rows' next-token logits
         self.turns = [0] * len(self.parked)  # turns each row has started
         self.waited = 0  # steps the queued turns have waited
+        self.joining: list[tuple[int, list[int], SamplingParams]] = []  # fed in the next decode step
+        self.in_step = joins_in_step(engine)  # whether returning rows are prefilled inside a decode step
         self._fast: contextlib.ExitStack | None = None  # cpu.fast_decode, kept while turns run
 
     def submit(self, row, new_tokens, params, generator=None, new_images=None) -> None:
@@ -352,6 +501,7 @@ class RunningSession(KVSession):
     def release(self, row: int) -> None:
         """Drop the row: its queued turn, its running turn (it leaves the batch), its cache."""
         self.queued = [turn for turn in self.queued if turn[0] != row]
+        self.joining = [turn for turn in self.joining if turn[0] != row]
         for i, turn in enumerate(self.running):
             if turn.row == row:
                 self._drop(i)
@@ -363,13 +513,19 @@ class RunningSession(KVSession):
         super().release(row)
 
     def _admit(self) -> None:
-        """Prefill the queued turns (together) and let them join the running batch: at once when
-        nothing runs or as many are queued as run, else after ADMIT_WAIT steps (a prefill pass
-        costs a decode step's read of every weight, whatever its rows: turns that come back a
-        step or two apart share one)."""
+        """Let the queued turns join the running batch. While rows run, a text model's queued
+        turns are fed inside the next decode step (`joining`, see `_Batch.forward`). Otherwise
+        they are prefilled together in a pass of their own: at once when nothing runs or as many
+        are queued as run, else after ADMIT_WAIT steps (a prefill pass costs a decode step's read
+        of every weight, whatever its rows: turns that come back a step or two apart share one)."""
         engine = self.engine
         if not self.queued or (engine.offers.pending and self.running):
             return  # nothing to admit, or newer weights wait for the running turns to end
+        if self.running and self.in_step and not any(t[3] or self.unfed_images[t[0]] for t in self.queued):
+            engine.between_turns()
+            self.joining += [t[:3] for t in sorted(self.queued, key=lambda turn: turn[0])]
+            self.queued, self.waited = [], 0
+            return
         self.waited += 1
         if self.running and len(self.queued) < len(self.running) and self.waited <= ADMIT_WAIT:
             return
@@ -436,10 +592,28 @@ class RunningSession(KVSession):
             tokens[i] = tokens[len(self.running) - 1]
             self._drop(i)
         engine.running_turns -= len(ended)
-        if self.running:
-            self.logits = self.batch.forward(engine.model, tokens[: len(self.running)])
-            engine.decode_tokens += len(self.running)
+        decoding = len(self.running)
+        if self.joining:
+            self._feed_joining(tokens[:decoding])
+        elif self.running:
+            self.logits = self.batch.forward(engine.model, tokens[:decoding])
+        engine.decode_tokens += decoding
         return sorted(done, key=lambda ended_turn: ended_turn[0])
+
+    def _feed_joining(self, tokens: torch.Tensor) -> None:
+        """One pass: the running rows' next tokens and the joining turns' new tokens (their
+        unfed last token and the observation after it); the joining turns then run."""
+        engine, joining, self.joining = self.engine, self.joining, []
+        feeds = []
+        for row, new, params in joining:
+            feeds.append((self.parked[row], self.unfed[row] + new, self.next_pos[row], params.max_new_tokens))
+            self.parked[row], self.unfed[row] = None, []  # now inside the batch cache
+        self.logits = self.batch.forward(engine.model, tokens, feeds, self.in_step)
+        for (row, _, params), (_, fed, first, _) in zip(joining, feeds):
+            self.running.append(_Turn(row, self.turns[row], params, first + len(fed), engine.policy_version, engine.report_log_probs))
+            self.turns[row] += 1
+        engine.running_turns += len(joining)
+        engine.prefill_tokens += sum(len(fed) for _, fed, _, _ in feeds)
 
     def _ends(self, turn: _Turn, token: int) -> bool:
         """Whether `token` ends the turn (EOS, a stop string, or its token limit); sets its finish."""
