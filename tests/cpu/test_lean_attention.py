@@ -79,3 +79,41 @@ def test_switch_is_undone_on_error_and_skips_other_attention_kinds():
     model.config._attn_implementation = "eager"
     with lean_attention(model) as switched:
         assert switched == 0 and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_converts_the_mask_once_and_changes_no_bit(dtype):
+    """A decode step over a left-padded cache: the mask in SDPA's float form once a pass gives
+    the very logits of transformers' sdpa path, which converts it in every layer."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    from grouprl.cpu.lean_attention import decode_attention
+
+    model = tiny_model_and_tokenizer(dtype=dtype, seed=1)[0].eval()
+    vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
+    ids = torch.randint(3, vocab, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = mask[2, :1] = 0
+    full = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+    positions = mask.sum(-1, keepdim=True)
+
+    def step(decode: bool):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            switch = decode_attention(model) if decode else contextlib.nullcontext(0)
+            with switch as switched, profile(activities=[ProfilerActivity.CPU]) as prof:
+                logits = model(
+                    input_ids=ids[:, :1], attention_mask=full, position_ids=positions, past_key_values=cache
+                ).logits
+        wheres = sum(e.count for e in prof.key_averages() if e.key == "aten::where")
+        return switched, logits, wheres
+
+    switched, logits, wheres = step(True)
+    none, plain, plain_wheres = step(False)
+    assert switched == 1 and none == 0 and model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits, plain)
+    assert (plain_wheres, wheres) == (2 * layers, 0)  # torch's two in every layer; a fill once a pass

@@ -147,6 +147,18 @@ def test_large_inputs_and_gradient_mode_take_f_linear(counted):
     assert layer.weight.grad is not None
 
 
+def test_usual_products_take_f_linear_untimed_and_end_with_their_block(counted):
+    layer, x = linear(), torch.randn(5, 24, dtype=torch.float64)
+    small_matmul._CHOICE[((40, 24), 5, torch.float64, None)] = "transposed"
+    with torch.no_grad(), small_batch_linear(layer):
+        with small_matmul.usual_products():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+            layer(torch.randn(7, 24, dtype=torch.float64))  # a new row count: no trial either
+        assert counted == [] and small_matmul._TRIALS == {}
+        layer(x)
+    assert counted == [5]
+
+
 def test_patch_is_removed_after_the_block_even_on_error_and_subclasses_are_left_alone():
     class Custom(torch.nn.Linear):
         pass

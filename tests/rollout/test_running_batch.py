@@ -113,10 +113,10 @@ def test_a_vlm_or_another_attention_prefills_in_a_pass_of_its_own(policy):
     engine = HFEngine(model, tokenizer)
     assert joins_in_step(engine)
     engine.vision = object()
-    assert joins_in_step(engine) == []
+    assert not joins_in_step(engine)
     engine.vision = None
     model.config._attn_implementation_internal = "eager"
     try:
-        assert joins_in_step(engine) == []
+        assert not joins_in_step(engine)
     finally:
         model.config._attn_implementation_internal = "sdpa"

@@ -12,7 +12,8 @@ reads the same on a GPU:
   It yields `before_backward`, to call before each backward.
 - `lean_scoring(model, actor_cfg)` around a no-grad scoring pass (old / reference log-probs).
 - `fast_decode(model)` around a decode loop: few-row products in the fastest of a few equal forms,
-  timed per shape (small_matmul.py).
+  timed per shape (small_matmul.py), and the attention mask in SDPA's float form once per forward
+  pass instead of once per layer (lean_attention.py).
 
 Each device has its own switch in the actor config (`actor.lean_mlp`, `lean_norm`,
 `lean_attention`, `update_malloc_trim`, `update_trim_every_layers`, `update_mmap_threshold_kb`).
@@ -33,12 +34,12 @@ from grouprl.cpu.allocator import (
     trim_during_backward,
     trim_during_forward,
 )
-from grouprl.cpu.lean_attention import lean_attention
+from grouprl.cpu.lean_attention import attention_named, decode_attention, lean_attention
 from grouprl.cpu.lean_mlp import lean_mlp
 from grouprl.cpu.lean_norm import lean_norm
 from grouprl.cpu.small_matmul import small_batch_linear
 
-__all__ = ["fast_decode", "lean_scoring", "lean_update", "on_cpu"]
+__all__ = ["attention_named", "fast_decode", "lean_scoring", "lean_update", "on_cpu"]
 
 
 def on_cpu(model: torch.nn.Module) -> bool:
@@ -84,7 +85,10 @@ def lean_scoring(model: torch.nn.Module, cfg: Any) -> contextlib.AbstractContext
     return lean_attention(model, enabled=cfg.lean_attention and on_cpu(model))
 
 
-def fast_decode(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def fast_decode(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, a CPU model's plain linear layers take few-row products in their fastest
-    form (timed per shape on the first calls); elsewhere nothing changes."""
-    return small_batch_linear(model)
+    form (timed per shape on the first calls) and its attention gets its mask converted once a
+    forward pass; elsewhere nothing changes."""
+    with small_batch_linear(model), decode_attention(model):
+        yield

@@ -18,11 +18,15 @@ matched bitwise wherever they were measured.)
 
 `small_batch_linear(model)` applies this to the model's plain `nn.Linear` layers (a LoRA layer's
 base layer included) for the duration of a `with` block; nothing is changed outside it, and on
-other devices it does nothing.
+other devices it does nothing. Within `usual_products()` (a pass that carries prefill tokens
+beside the decode rows, whose row count varies from pass to pass) every product is the usual one,
+untimed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 
 import torch
@@ -39,6 +43,20 @@ SLICE = 1024  # output features per product of the sliced form, tried for weight
 _CHOICE: dict[tuple, str] = {}
 # the same key -> (each form's times, whether it matched the usual form's numbers on every trial)
 _TRIALS: dict[tuple, tuple[dict[str, list[float]], dict[str, bool]]] = {}
+
+
+_usual_only = threading.local()
+
+
+@contextlib.contextmanager
+def usual_products():
+    """Within the block (on this thread), the patched layers take the usual product, untimed."""
+    was = getattr(_usual_only, "on", False)
+    _usual_only.on = True
+    try:
+        yield
+    finally:
+        _usual_only.on = was
 
 
 def _usual_product(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -96,7 +114,7 @@ def _trial(key: tuple, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias = module.weight, module.bias
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= MAX_ROWS or torch.is_grad_enabled():
+    if not 0 < rows <= MAX_ROWS or torch.is_grad_enabled() or getattr(_usual_only, "on", False):
         return F.linear(x, weight, bias)
     autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
     key = (tuple(weight.shape), rows, weight.dtype, autocast)

@@ -32,6 +32,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grouprl import cpu
+from grouprl.cpu.lean_attention import DECODE
+from grouprl.cpu.small_matmul import usual_products
 from grouprl.rollout.engines import sampling
 from grouprl.rollout.engines.base import Generation, SamplingParams
 from grouprl.rollout.engines.streams import Randomness, for_rows
@@ -285,13 +287,13 @@ class _Batch:
         self.col_list.pop()
         self.size = last
 
-    def forward(self, model, tokens: torch.Tensor, joining: list[tuple] = (), configs: list = ()) -> torch.Tensor:
+    def forward(self, model, tokens: torch.Tensor, joining: list[tuple] = ()) -> torch.Tensor:
         """Feed each running row its token [A] at its column -> logits [A, V]; with `joining`
         [(parked cache or None, new tokens, position of the first, room for more tokens), ...],
         those rows take the next slots and their tokens go through the same pass -> logits
-        [A + J, V] (theirs after their last token); `configs`: `joins_in_step`'s."""
+        [A + J, V] (theirs after their last token)."""
         if joining:
-            return self._forward_joining(model, tokens, joining, configs)
+            return self._forward_joining(model, tokens, joining)
         a = self.size
         self.mask[self.slots[:a], self.cols[:a]] = 1
         width = self.width
@@ -309,7 +311,7 @@ class _Batch:
         self.col_list = [c + 1 for c in self.col_list]
         return out.logits[:, -1, :]
 
-    def _forward_joining(self, model, tokens: torch.Tensor, joining: list[tuple], configs: list) -> torch.Tensor:
+    def _forward_joining(self, model, tokens: torch.Tensor, joining: list[tuple]) -> torch.Tensor:
         """One pass over the running rows' tokens and the joining rows' new tokens, laid out as one
         sequence [1, A + sum T]; `ragged_attention` gives each its own row's keys."""
         a, device = self.size, self.device
@@ -348,7 +350,7 @@ class _Batch:
         self.ragged = plan
         _current.batch = self
         try:
-            with _attention(configs, RAGGED):
+            with cpu.attention_named(model, RAGGED, SDPA), usual_products():
                 out = model(
                     input_ids=torch.cat(ids)[None],
                     position_ids=torch.cat(positions)[None],
@@ -381,6 +383,7 @@ class _Ragged:
 
 _current = threading.local()  # the _Batch whose ragged pass runs on this thread
 RAGGED = "grouprl_ragged"
+SDPA = ("sdpa", DECODE)  # inside cpu.fast_decode a CPU model's sdpa is the latter
 
 
 def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -407,37 +410,15 @@ def ragged_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register(RAGGED, ragged_attention)
 
 
-@contextlib.contextmanager
-def _attention(configs: list, name: str):
-    """Within the block, the configs (the model's, on `sdpa`) name `name`: no mask is built for
-    it, and the attention layers call `ragged_attention`."""
-    for config in configs:
-        config._attn_implementation_internal = name
-    try:
-        yield
-    finally:
-        for config in configs:
-            config._attn_implementation_internal = "sdpa"
-
-
-def joins_in_step(engine) -> list:
-    """The configs to switch when a returning row's tokens go through the running rows' decode
-    step, or [] where they cannot: a text model on `sdpa` attention whose attention layers know
-    their index (every model whose layers read `config._attn_implementation`, as transformers'
-    do)."""
+def joins_in_step(engine) -> bool:
+    """Whether a returning row's tokens can go through the running rows' decode step: a text
+    model on `sdpa` attention whose attention layers know their index (as transformers' do; its
+    layers call the attention function their config names)."""
     model = engine.model
     config = getattr(model, "config", None)
-    if getattr(engine, "vision", None) is not None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return []
-    if not any(hasattr(m, "layer_idx") and hasattr(m, "scaling") for m in model.modules()):
-        return []
-    configs, seen = [], set()
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if id(config) not in seen and getattr(config, "_attn_implementation", None) == "sdpa":
-            seen.add(id(config))
-            configs.append(config)
-    return configs
+    if getattr(engine, "vision", None) is not None or getattr(config, "_attn_implementation", None) not in SDPA:
+        return False
+    return any(hasattr(m, "layer_idx") and hasattr(m, "scaling") for m in model.modules())
 
 
 ADMIT_WAIT = 3  # steps a queued turn may wait to share its prefill with turns queued after it
@@ -608,7 +589,7 @@ class RunningSession(KVSession):
         for row, new, params in joining:
             feeds.append((self.parked[row], self.unfed[row] + new, self.next_pos[row], params.max_new_tokens))
             self.parked[row], self.unfed[row] = None, []  # now inside the batch cache
-        self.logits = self.batch.forward(engine.model, tokens, feeds, self.in_step)
+        self.logits = self.batch.forward(engine.model, tokens, feeds)
         for (row, _, params), (_, fed, first, _) in zip(joining, feeds):
             self.running.append(_Turn(row, self.turns[row], params, first + len(fed), engine.policy_version, engine.report_log_probs))
             self.turns[row] += 1
