@@ -108,6 +108,30 @@ def test_all_running_rows_end_as_rows_return(policy):
     assert results[0] == expected.token_ids
 
 
+def test_the_joined_rows_logits_at_bf16():
+    """A bf16 model (what `actor.dtype=auto` picks on a CPU with bf16 support, and on GPUs): the
+    same pass, within bf16's rounding of the whole-context logits."""
+    tokenizer = chat_tokenizer("chatml")
+    config = tiny_config("llama", vocab_size=len(tokenizer), initializer_range=0.2, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    engine = HFEngine(model, tokenizer)
+    prompts = random_prompts([5, 8], len(tokenizer), seed=4)
+    session = engine.open_session(prompts, 1)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    session.submit(0, [], one)
+    session.submit(1, [], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    first = dict(session.step())
+    observation = random_prompts([6], len(tokenizer), seed=9)[0]
+    session.submit(0, observation, one)
+    session.step()
+    assert [turn.row for turn in session.running] == [1, 0]
+    with torch.no_grad():
+        whole = model(input_ids=torch.tensor([prompts[0] + first[0].token_ids + observation])).logits[0, -1]
+    assert session.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(session.logits[1].float(), whole.float(), rtol=0, atol=0.05 * whole.float().abs().max().item())
+
+
 def test_a_vlm_or_another_attention_prefills_in_a_pass_of_its_own(policy):
     model, tokenizer = policy
     engine = HFEngine(model, tokenizer)

@@ -502,7 +502,8 @@ class RunningSession(KVSession):
         engine = self.engine
         if not self.queued or (engine.offers.pending and self.running):
             return  # nothing to admit, or newer weights wait for the running turns to end
-        if self.running and self.in_step and not any(t[3] or self.unfed_images[t[0]] for t in self.queued):
+        text = all((self.unfed[t[0]] or t[1]) and not (t[3] or self.unfed_images[t[0]]) for t in self.queued)
+        if self.running and self.in_step and text:
             engine.between_turns()
             self.joining += [t[:3] for t in sorted(self.queued, key=lambda turn: turn[0])]
             self.queued, self.waited = [], 0
