@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from grouprl import cpu
 from grouprl.config import ModelConfig
-from grouprl.rollout.engines.hf_session import _Batch
+from grouprl.rollout.engines.running_batch import RunningBatch
 from grouprl.trainer.models import resolve_model_path
 
 ROWS, CONTEXT, STEPS = 8, 300, 30
@@ -40,7 +40,7 @@ def main() -> None:
     def run() -> float:
         cache = DynamicCache()
         model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        batch = _Batch(cache, ROWS, CONTEXT + STEPS)
+        batch = RunningBatch(cache, ROWS, CONTEXT + STEPS)
         batch.join(cache, mask, torch.full((ROWS,), CONTEXT), STEPS)
         token = torch.randint(100, 1000, (ROWS,))
         times = []

@@ -12,7 +12,7 @@ from test_chat import chat_tokenizer
 from transformers import AutoModelForCausalLM
 
 from grouprl.rollout.engines.hf import HFEngine, SamplingParams
-from grouprl.rollout.engines.hf_session import joins_in_step
+from grouprl.rollout.engines.running_batch import joins_in_step
 from helpers import random_prompts, tiny_config
 
 
