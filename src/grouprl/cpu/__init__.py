@@ -37,14 +37,10 @@ from grouprl.cpu.allocator import (
 from grouprl.cpu.lean_attention import attention_named, decode_attention, lean_attention
 from grouprl.cpu.lean_mlp import lean_mlp
 from grouprl.cpu.lean_norm import lean_norm
+from grouprl.cpu.module_patch import on_cpu
 from grouprl.cpu.small_matmul import small_batch_linear
 
 __all__ = ["attention_named", "fast_decode", "lean_scoring", "lean_update", "on_cpu"]
-
-
-def on_cpu(model: torch.nn.Module) -> bool:
-    param = next(model.parameters(), None)
-    return param is not None and param.device.type == "cpu"
 
 
 def _sharded(model: torch.nn.Module) -> bool:

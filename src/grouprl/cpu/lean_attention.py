@@ -30,30 +30,35 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from grouprl.cpu.module_patch import on_cpu
+
 NAME = "grouprl_sdpa"
 DECODE = "grouprl_sdpa_decode"
 
 
-class _FloatMask:
-    """The float form of the boolean mask last seen: the layers of one forward pass the same
-    mask object, so it is converted once and autograd keeps one copy."""
+class _FloatMask(threading.local):
+    """The float form of the boolean mask last seen on this thread (0 where a key is seen, -inf
+    where not: what torch makes of it in every layer): the layers of one forward pass get the
+    same mask object, so it is converted once and autograd keeps one copy. Per thread: a rollout
+    may decode beside an update's scoring."""
 
     source: torch.Tensor | None = None
     converted: torch.Tensor | None = None
 
-    @classmethod
-    def of(cls, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def of(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if mask.dtype != torch.bool:
             return mask
-        if cls.source is not mask or cls.converted is None or cls.converted.dtype != dtype:
+        if self.source is not mask or self.converted is None or self.converted.dtype != dtype:
             converted = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             converted.masked_fill_(~mask, float("-inf"))
-            cls.source, cls.converted = mask, converted
-        return cls.converted
+            self.source, self.converted = mask, converted
+        return self.converted
 
-    @classmethod
-    def clear(cls) -> None:
-        cls.source = cls.converted = None
+    def clear(self) -> None:
+        self.source = self.converted = None
+
+
+_float_mask = _FloatMask()
 
 
 def grouped_sdpa_forward(
@@ -68,27 +73,18 @@ def grouped_sdpa_forward(
         )
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
-    mask = None if attention_mask is None else _FloatMask.of(attention_mask, query.dtype)
+    mask = None if attention_mask is None else _float_mask.of(attention_mask, query.dtype)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
 
 
-_decode_mask = threading.local()  # per thread: a rollout may decode beside an update's scoring
-
-
 def decode_sdpa_forward(module, query, key, value, attention_mask, **kwargs):
-    """transformers' `sdpa` function, given the float form of a boolean mask (0 where a key is
-    seen, -inf where not: what torch would make of it in the layer), made once for the layers
-    of a forward pass, which share one mask object."""
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        cached = _decode_mask
-        if getattr(cached, "source", None) is not attention_mask or cached.converted.dtype != query.dtype:
-            converted = torch.zeros(attention_mask.shape, dtype=query.dtype, device=attention_mask.device)
-            converted.masked_fill_(~attention_mask, float("-inf"))
-            cached.source, cached.converted = attention_mask, converted
-        attention_mask = cached.converted
+    """transformers' `sdpa` function, given the float form of a boolean mask, made once for the
+    layers of a forward pass (`_FloatMask`)."""
+    if attention_mask is not None:
+        attention_mask = _float_mask.of(attention_mask, query.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -118,33 +114,28 @@ def attention_named(model: torch.nn.Module, name: str, names: tuple[str, ...] = 
             config._attn_implementation_internal = was
 
 
-def _on_cpu(model: torch.nn.Module) -> bool:
-    first = next(model.parameters(), None)
-    return first is not None and first.device.type == "cpu"
-
-
 @contextlib.contextmanager
 def lean_attention(model: torch.nn.Module, enabled: bool = True):
     """Within the block, a CPU model on `sdpa` attention attends through `grouped_sdpa_forward`.
     Yields how many configs it switched (0: nothing to do)."""
-    if not (enabled and _on_cpu(model)):
+    if not (enabled and on_cpu(model)):
         yield 0
         return
     try:
         with attention_named(model, NAME) as switched:
             yield switched
     finally:
-        _FloatMask.clear()
+        _float_mask.clear()
 
 
 @contextlib.contextmanager
 def decode_attention(model: torch.nn.Module):
     """Within the block, a CPU model on `sdpa` attention attends through `decode_sdpa_forward`."""
-    if not _on_cpu(model):
+    if not on_cpu(model):
         yield 0
         return
     try:
         with attention_named(model, DECODE) as switched:
             yield switched
     finally:
-        _decode_mask.source = _decode_mask.converted = None
+        _float_mask.clear()

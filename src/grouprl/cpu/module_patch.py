@@ -10,6 +10,12 @@ from collections.abc import Callable
 import torch
 
 
+def on_cpu(model: torch.nn.Module) -> bool:
+    """Whether the model's (first) parameters live on the CPU."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cpu"
+
+
 @contextlib.contextmanager
 def forward_replaced(model: torch.nn.Module, forward: Callable, take: Callable[[torch.nn.Module], bool]):
     """Within the block, every module of `model` for which `take(module)` holds runs
